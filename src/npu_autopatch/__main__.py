@@ -1,0 +1,122 @@
+"""``python -m npu_autopatch status|check``: what is patched here, and why not.
+
+status  the environment and the state of every supported model in this process.
+check   enable patching, import every supported modeling module, print the same table;
+        exit status 1 if any model failed. ``--simulate`` first installs the CPU stand-in
+        for torch_npu (npu_autopatch.testing), so it runs on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import platform
+import sys
+
+from . import _control, _device
+from ._records import FAILED, SKIPPED, PatchRecord
+from .models import MODELS
+
+
+def _version(distribution):
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(simulated: bool = False) -> dict:
+    """Versions from package metadata, and whether torch_npu sees an NPU (imports torch_npu)."""
+    npu, reason = _device.probe()
+    if npu is not None:
+        name = npu.npu.get_device_name(0) if hasattr(npu.npu, "get_device_name") else "npu"
+        device = f"yes ({name})"
+    else:
+        device = f"no: {reason}"
+    return {
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "torch_npu": getattr(npu, "__version__", None) if simulated else _version("torch_npu"),
+        "npu_visible": device,
+        "simulated": simulated,
+        "patching_enabled": _control.is_enabled(),
+    }
+
+
+def _import_all() -> dict[str, PatchRecord]:
+    """Import every supported modeling module with patching on; note the absent ones."""
+    absent = {}
+    for model_type, model in MODELS.items():
+        try:
+            importlib.import_module(model.module)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and model.module.startswith(exc.name):
+                version = _version("transformers")
+                absent[model_type] = PatchRecord(
+                    model_type, model.module, SKIPPED, f"not present in transformers {version}"
+                )
+            else:
+                absent[model_type] = PatchRecord(model_type, model.module, FAILED, f"import failed: {exc!r}")
+        except Exception as exc:  # strict mode's PatchError, or a broken modeling module
+            absent[model_type] = PatchRecord(model_type, model.module, FAILED, f"import failed: {exc!r}")
+    report = _control.status()
+    report.update(absent)
+    return report
+
+
+def format_table(report: dict[str, PatchRecord]) -> str:
+    rows = [("model", "state", "kernels", "reason")]
+    rows += [(r.model, r.state, ",".join(r.kernels) or "-", r.reason or "") for r in report.values()]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
+        for row in rows
+    ).rstrip()
+
+
+def _print(env: dict, report: dict[str, PatchRecord], as_json: bool) -> None:
+    if as_json:
+        print(
+            json.dumps({"environment": env, "models": {k: r.as_dict() for k, r in report.items()}}, indent=2)
+        )
+        return
+    for key, value in env.items():
+        print(f"{key + ':':<18}{value}")
+    print()
+    print(format_table(report))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m npu_autopatch", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    status_cmd = commands.add_parser("status", help="environment and per-model state in this process")
+    status_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    check_cmd = commands.add_parser("check", help="import every supported model with patching on")
+    check_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    check_cmd.add_argument("--simulate", action="store_true", help="use the CPU stand-in for torch_npu")
+    args = parser.parse_args(argv)
+
+    if args.command == "status":
+        _print(environment(), _control.status(), args.json)
+        return 0
+
+    if args.simulate:
+        from .testing import stand_in
+
+        with stand_in():
+            _control.enable()
+            report = _import_all()
+            env = environment(simulated=True)
+    else:
+        _control.enable()
+        report = _import_all()
+        env = environment()
+    _print(env, report, args.json)
+    return 1 if any(r.state == FAILED for r in report.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Configuration from enable() arguments and NPU_AUTOPATCH* environment variables.
+
+Runs at interpreter start when NPU_AUTOPATCH is set, so it uses os and sys only.
+Bad values in the environment never raise: they give one warning and a safe choice.
+Bad values passed to enable() raise ValueError, because that is a bug in the caller's code.
+"""
+
+import os
+
+from .models import KERNEL_NAMES, MODELS
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off", "")
+
+ENV_SWITCH = "NPU_AUTOPATCH"
+ENV_MODELS = "NPU_AUTOPATCH_MODELS"
+ENV_EXCLUDE = "NPU_AUTOPATCH_EXCLUDE"
+ENV_KERNELS = "NPU_AUTOPATCH_KERNELS"
+ENV_STRICT = "NPU_AUTOPATCH_STRICT"
+ENV_LOG_ALL_RANKS = "NPU_AUTOPATCH_LOG_ALL_RANKS"
+
+# Long or hostile values are echoed back shortened, never evaluated.
+_ECHO_LIMIT = 60
+
+
+def echo(value):
+    """A safe, short rendering of a user-supplied value for a log line."""
+    text = repr(value)
+    return text if len(text) <= _ECHO_LIMIT else text[:_ECHO_LIMIT] + "...'"
+
+
+def parse_bool(name, raw, warn):
+    """True/False for a recognised word, None (after one warning) for anything else."""
+    word = raw.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    warn(
+        f"ignoring {name}={echo(raw)}: expected one of {'/'.join(TRUE_WORDS)} "
+        f"or {'/'.join(w for w in FALSE_WORDS if w)} (or empty)"
+    )
+    return None
+
+
+def env_flag(name, warn, environ=None):
+    """An on/off environment variable; unset or unrecognised means off."""
+    raw = (os.environ if environ is None else environ).get(name)
+    return False if raw is None else parse_bool(name, raw, warn) is True
+
+
+def _split_names(raw):
+    return [part.strip().lower() for part in raw.split(",") if part.strip()]
+
+
+def _env_names(environ, name, valid, what, warn):
+    """A comma list from the environment, unknown names dropped with one warning."""
+    raw = environ.get(name)
+    if raw is None:
+        return None
+    names = _split_names(raw)
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        warn(
+            f"ignoring unknown {what} in {name}: {', '.join(echo(n) for n in unknown)}; "
+            f"valid {what}: {', '.join(valid)}"
+        )
+    return frozenset(n for n in names if n in valid)
+
+
+def _arg_names(value, valid, what, argname):
+    if value is None:
+        return None
+    names = _split_names(value) if isinstance(value, str) else [str(v).strip().lower() for v in value]
+    unknown = sorted(set(names) - set(valid))
+    if unknown:
+        raise ValueError(f"enable({argname}=...): unknown {what} {unknown}; valid {what}: {', '.join(valid)}")
+    return frozenset(names)
+
+
+class Config:
+    """The resolved selection: which models and kernels, strict or not, forced or not."""
+
+    __slots__ = ("exclude", "force", "kernels", "models", "strict")
+
+    def __init__(self, models, exclude, kernels, strict, force):
+        self.models = models  # frozenset, or None for every supported model
+        self.exclude = exclude  # frozenset
+        self.kernels = kernels  # frozenset, or None for every kernel
+        self.strict = strict
+        self.force = force
+
+    def _key(self):
+        return (self.models, self.exclude, self.kernels, self.strict, self.force)
+
+    def __eq__(self, other):
+        return isinstance(other, Config) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def wants(self, model_type):
+        """None if the model is selected, else why not."""
+        if model_type in self.exclude:
+            return "excluded by configuration"
+        if self.models is not None and model_type not in self.models:
+            return "not in the selected models"
+        return None
+
+    def __repr__(self):
+        def show(names):
+            return "all" if names is None else ",".join(sorted(names)) or "none"
+
+        return (
+            f"Config(models={show(self.models)}, exclude={show(self.exclude)}, "
+            f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force})"
+        )
+
+
+def resolve(models, exclude, kernels, strict, force, warn, environ=None):
+    """Arguments override the environment; the environment overrides the defaults."""
+    environ = os.environ if environ is None else environ
+    valid_models = tuple(MODELS)
+    model_set = _arg_names(models, valid_models, "models", "models")
+    if model_set is None:
+        model_set = _env_names(environ, ENV_MODELS, valid_models, "models", warn)
+    exclude_set = _arg_names(exclude, valid_models, "models", "exclude")
+    if exclude_set is None:
+        exclude_set = _env_names(environ, ENV_EXCLUDE, valid_models, "models", warn) or frozenset()
+    kernel_set = _arg_names(kernels, KERNEL_NAMES, "kernels", "kernels")
+    if kernel_set is None:
+        kernel_set = _env_names(environ, ENV_KERNELS, KERNEL_NAMES, "kernels", warn)
+    if strict is None:
+        strict = env_flag(ENV_STRICT, warn, environ)
+    return Config(model_set, exclude_set, kernel_set, bool(strict), bool(force))

@@ -1,0 +1,44 @@
+"""The NPU kernels, each written once and named; the model table says where they go.
+
+Each kernel lives in its own module (norm, mlp, rope) as a ``Kernel`` with one or more
+variants (see base.py). The patcher uses the first variant whose probe agrees with the
+stock code, so a target is only ever replaced by code that reproduces its math, whatever
+the class is called.
+
+Imported at patch time only: it imports torch, which the modeling module already did.
+"""
+
+from ..models import KERNEL_NAMES
+from .base import Kernel, Variant
+from .mlp import SWIGLU
+from .norm import RMS_NORM
+from .rope import ROPE
+
+KERNELS = {kernel.name: kernel for kernel in (RMS_NORM, SWIGLU, ROPE)}
+assert tuple(KERNELS) == KERNEL_NAMES, "kernels and models.KERNEL_NAMES must list the same kernels"
+
+__all__ = ["KERNELS", "Kernel", "Variant", "choose_variant", "golden_ops"]
+
+_golden_ops = None
+
+
+def golden_ops():
+    """A private CPU stand-in for torch_npu, used by the probes (never installed in sys.modules)."""
+    global _golden_ops
+    if _golden_ops is None:
+        from ..testing import make_torch_npu
+
+        _golden_ops = make_torch_npu()
+    return _golden_ops
+
+
+def choose_variant(kernel, stock):
+    """(variant, None) for the first variant that reproduces ``stock``, else (None, reasons)."""
+    reasons = []
+    for variant in kernel.variants:
+        candidate = variant.build(stock, golden_ops())
+        reason = variant.probe(stock, candidate)
+        if reason is None:
+            return variant, None
+        reasons.append(reason if len(kernel.variants) == 1 else f"{variant.name}: {reason}")
+    return None, "; ".join(reasons) or "no variant of this kernel"

@@ -1,0 +1,84 @@
+"""Probe helpers: tiny seeded inputs and a stock-vs-candidate comparison.
+
+The probes use their own ``torch.Generator`` and never touch the global RNG state of the
+user's program; modules are built with ``skip_init`` for the same reason.
+"""
+
+import inspect
+
+import torch
+
+# Both sides run in fp32 on the same inputs; only the rounding order differs.
+PROBE_RTOL = 1e-4
+PROBE_ATOL = 1e-5
+
+
+def generator():
+    return torch.Generator().manual_seed(20240601)
+
+
+def randn(gen, *shape):
+    return torch.randn(*shape, generator=gen)
+
+
+def linear(gen, in_features, out_features, bias=False):
+    """An nn.Linear with seeded weights, built without consuming the global RNG."""
+    layer = torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(randn(gen, out_features, in_features) / in_features**0.5)
+        if bias:
+            layer.bias.copy_(randn(gen, out_features) / in_features**0.5)
+    return layer
+
+
+def fake_module(**attributes):
+    """A bare nn.Module carrying exactly the attributes a kernel reads from ``self``."""
+    module = torch.nn.Module()
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    return module
+
+
+def parameters(stock):
+    """The parameter names of a function (or callable module), or None if it has no signature."""
+    try:
+        return tuple(inspect.signature(stock).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _tensors(result):
+    return result if isinstance(result, tuple | list) else (result,)
+
+
+def agree(run_stock, run_candidate):
+    """None when stock and candidate give the same tensors; a reason otherwise.
+
+    An input that the stock code itself rejects does not count against the kernel: the
+    kernel only has to match stock where stock works.
+    """
+    try:
+        with torch.no_grad():
+            stock = _tensors(run_stock())
+    except AttributeError as exc:
+        return f"the stock code reads state this kernel does not provide ({exc})"
+    except Exception:
+        return None
+    with torch.no_grad():
+        candidate = _tensors(run_candidate())
+    if len(stock) != len(candidate):
+        return f"stock returns {len(stock)} values, the kernel {len(candidate)}"
+    for expected, got in zip(stock, candidate, strict=True):
+        if expected.shape != got.shape or expected.dtype != got.dtype:
+            return (
+                f"stock returns {tuple(expected.shape)} {expected.dtype}, "
+                f"the kernel {tuple(got.shape)} {got.dtype}"
+            )
+        if not torch.allclose(expected, got, rtol=PROBE_RTOL, atol=PROBE_ATOL):
+            error = (expected - got).abs().max().item()
+            return f"the math differs from stock (max abs error {error:.2e})"
+    return None
+
+
+def first_disagreement(*reasons):
+    return next((r for r in reasons if r is not None), None)

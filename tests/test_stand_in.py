@@ -1,0 +1,903 @@
+"""Tests of the torch_npu CPU stand-in (npu_autopatch.testing) against independent reference computations.
+
+Every golden here is written from the formulas in torch_npu_ops.md (or HF's own code), not by calling the
+stand-in's helpers, so a wrong stand-in fails.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from npu_autopatch.testing import OPS, make_torch_npu, stand_in
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-2}
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture
+def npu() -> types.ModuleType:
+    torch.manual_seed(0)
+    return make_torch_npu()
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = FP32_TOL if actual.dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(actual, expected, **tol)
+
+
+def leaf(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype).requires_grad_()
+
+
+def grads_of(loss: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(loss, inputs)
+
+
+def collect_warnings(fn) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [w for w in caught if "an autograd kernel was not registered" in str(w.message)]
+
+
+def assert_silent_no_grad(loss_fn, *inputs: torch.Tensor) -> None:
+    """Generic fallback: grads stay None, one warning on the first backward and none after."""
+    assert len(collect_warnings(lambda: loss_fn().backward())) == 1
+    assert all(t.grad is None for t in inputs)
+    assert collect_warnings(lambda: loss_fn().backward()) == []
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:  # HF's rotate_half
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_interleave(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    out[..., 0::2] = -x[..., 1::2]
+    out[..., 1::2] = x[..., 0::2]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The module object, stand_in() and the pytest fixture
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_module_looks_like_torch_npu() -> None:
+    module = make_torch_npu()
+    assert isinstance(module, types.ModuleType) and module.__name__ == "torch_npu"
+    assert module.__spec__ is not None and module.__spec__.name == "torch_npu"
+    assert module.__version__ == "0.0.0+cpu.standin" and module.STAND_IN is True
+    assert "torch_npu" not in sys.modules or sys.modules["torch_npu"] is not module
+    assert module.npu.__name__ == "torch_npu.npu" and module.npu.__spec__.name == "torch_npu.npu"
+    assert module.npu.is_available() is True and module.npu.device_count() == 1
+    assert module.npu.get_device_name() == "CPU stand-in for torch_npu"
+    ops = {name for name in vars(module) if name.startswith("npu_")}
+    assert ops == set(OPS)
+    assert all(isinstance(getattr(module, name), types.FunctionType) for name in OPS)
+    assert make_torch_npu() is not module and make_torch_npu().calls is not module.calls
+
+
+def test_unavailable_and_missing() -> None:
+    module = make_torch_npu(available=False, missing=["npu_rms_norm", "npu_swiglu"])
+    assert module.npu.is_available() is False and module.npu.device_count() == 0
+    with pytest.raises(RuntimeError):
+        module.npu.get_device_name(0)
+    assert not hasattr(module, "npu_rms_norm") and not hasattr(module, "npu_swiglu")
+    assert hasattr(module, "npu_rotary_mul")
+    with pytest.raises(ValueError, match="npu_not_an_op"):
+        make_torch_npu(missing=["npu_not_an_op"])
+
+
+# Schemas as registered by torch_npu 2.14 (torch_npu_ops.md), plus the two MoE grad ops from op-plugin.
+SCHEMAS = [
+    "npu_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06)",
+    "npu_rms_norm_backward(Tensor dy, Tensor input, Tensor gamma, Tensor rstd)",
+    "npu_gemma_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06)",
+    "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06)",
+    "npu_swiglu(Tensor input, int dim=-1)",
+    "npu_swiglu_backward(Tensor grad_output, Tensor input, int dim=-1)",
+    "npu_rotary_mul(Tensor input, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None)",
+    "npu_rotary_mul_backward(Tensor grad, Tensor input, Tensor r1, Tensor r2, str rotary_mode='half')",
+    "npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSND', "
+    "str rotary_mode='half')",
+    "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? scale=None, "
+    "Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? antiquant_offset=None, "
+    "Tensor[]? per_token_scale=None, Tensor? group_list=None, Tensor[]? activation_input=None, "
+    "Tensor[]? activation_quant_scale=None, Tensor[]? activation_quant_offset=None, int? split_item=0, "
+    "int? group_type=None, int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, "
+    "int? output_dtype=None, int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, "
+    "int? per_token_scale_dtype=None)",
+    "npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1)",
+    "npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert)",
+    "npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
+    "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
+    "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, "
+    "int[2] active_expert_range=[], int row_idx_type=0, int? x_dtype=None)",
+    "npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
+    "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, int? drop_pad_mode=0, "
+    "int? k=1)",
+    "npu_moe_token_permute(Tensor tokens, Tensor indices, int? num_out_tokens=None, bool padded_mode=False)",
+    "npu_moe_token_permute_grad_v2(Tensor grad_permuted_tokens, Tensor sorted_indices, int tokens_size_0, "
+    "ScalarType tokens_dtype, int num_topK, bool padded_mode=False)",
+    "npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None, "
+    "bool padded_mode=False, int[]? restore_shape=None)",
+    "npu_moe_token_unpermute_grad_v2(Tensor grad_unpermuted_tokens, Tensor sorted_indices, "
+    "int permuted_tokens_size_0, ScalarType permuted_tokens_dtype, Tensor? probs=None, "
+    "bool padded_mode=False, int[]? restore_shape=None, Tensor? permuted_tokens=None)",
+]
+
+
+def parse_schema(schema: str) -> tuple[str, list[tuple[str, object, str]]]:
+    name, args = schema.rstrip(")").split("(", 1)
+    params, kind = [], "POSITIONAL_OR_KEYWORD"
+    for arg in args.split(", "):
+        if arg == "*":
+            kind = "KEYWORD_ONLY"
+            continue
+        declared, _, default = arg.split(" ", 1)[1].partition("=")
+        value = ast.literal_eval(default) if default else inspect.Parameter.empty
+        params.append((declared, value, kind))
+    return name, params
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=lambda s: s.split("(")[0])
+def test_signatures_follow_the_schemas(npu: types.ModuleType, schema: str) -> None:
+    name, params = parse_schema(schema)
+    signature = inspect.signature(getattr(npu, name))
+    assert [(p.name, p.default, p.kind.name) for p in signature.parameters.values()] == params
+
+
+def test_schema_list_covers_every_op() -> None:
+    assert sorted(parse_schema(s)[0] for s in SCHEMAS) == sorted(OPS)
+
+
+def test_calls_count_forward_and_backward_ops(npu: types.ModuleType) -> None:
+    x, g = leaf(2, 8), leaf(8)
+    npu.npu_rms_norm(x, g)[0].sum().backward()
+    npu.npu_rms_norm(x.detach(), g.detach())
+    npu.npu_swiglu(leaf(2, 8)).sum().backward()
+    with pytest.raises(RuntimeError):
+        npu.npu_swiglu(torch.randn(2, 7))
+    assert npu.calls == {
+        "npu_rms_norm": 2,
+        "npu_rms_norm_backward": 1,
+        "npu_swiglu": 2,
+        "npu_swiglu_backward": 1,
+    }
+
+
+def test_stand_in_installs_and_restores_absence() -> None:
+    saved = {name: sys.modules.pop(name, None) for name in ("torch_npu", "torch_npu.npu")}
+    saved_npu = vars(torch).pop("npu", None)
+    try:
+        with stand_in() as module:
+            import torch_npu
+
+            assert torch_npu is module and sys.modules["torch_npu.npu"] is module.npu
+            assert torch.npu is module.npu and torch.npu.is_available()
+            assert importlib.util.find_spec("torch_npu") is module.__spec__
+        assert "torch_npu" not in sys.modules and "torch_npu.npu" not in sys.modules
+        assert "npu" not in vars(torch)
+    finally:
+        sys.modules.update({k: v for k, v in saved.items() if v is not None})
+        if saved_npu is not None:
+            torch.npu = saved_npu
+
+
+def test_stand_in_restores_previous_objects_and_nests() -> None:
+    outer_modules = {name: types.ModuleType(name) for name in ("torch_npu", "torch_npu.npu")}
+    sentinel = types.ModuleType("sentinel")
+    saved = {name: sys.modules.get(name) for name in outer_modules}
+    saved_npu = vars(torch).get("npu")
+    sys.modules.update(outer_modules)
+    torch.npu = sentinel
+    try:
+        with stand_in() as first:
+            with stand_in(available=False) as second:
+                assert sys.modules["torch_npu"] is second and not torch.npu.is_available()
+            assert sys.modules["torch_npu"] is first and torch.npu is first.npu
+            with pytest.raises(KeyError), stand_in():
+                raise KeyError("restores on error too")
+            assert sys.modules["torch_npu"] is first
+        assert all(sys.modules[name] is mod for name, mod in outer_modules.items())
+        assert torch.npu is sentinel
+    finally:
+        for name, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = previous
+        if saved_npu is None:
+            del torch.npu
+        else:
+            torch.npu = saved_npu
+
+
+def test_transformers_detects_the_stand_in() -> None:
+    from transformers.utils import import_utils
+
+    detect = import_utils.is_torch_npu_available
+    detect.cache_clear()
+    try:
+        with stand_in():
+            assert detect() is True
+        detect.cache_clear()
+        with stand_in(available=False):
+            assert detect() is False
+    finally:
+        detect.cache_clear()
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_pytest_plugin_fixture_and_light_import(tmp_path: Path) -> None:
+    (tmp_path / "test_uses_fixture.py").write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import torch
+
+            def test_fixture(npu_stand_in):
+                assert npu_stand_in.STAND_IN and sys.modules["torch_npu"] is npu_stand_in
+                assert torch.npu is npu_stand_in.npu
+                y, rstd = npu_stand_in.npu_rms_norm(torch.ones(2, 4), torch.ones(4))
+                assert npu_stand_in.calls["npu_rms_norm"] == 1
+
+            def test_restored_after_fixture():
+                assert "torch_npu" not in sys.modules and not hasattr(torch, "npu")
+            """
+        )
+    )
+    result = _run(
+        ["-m", "pytest", "-p", "npu_autopatch.testing.pytest_plugin", "-q", "-p", "no:cacheprovider"],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
+    light = _run(
+        ["-c", "import sys, npu_autopatch.testing.pytest_plugin; assert 'torch' not in sys.modules"], tmp_path
+    )
+    assert light.returncode == 0, light.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------
+# RMSNorm family
+# ------------------------------------------------------------------------------------------------------------
+
+
+def ref_rms_norm(
+    x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
+    xf = x.float()
+    rstd = torch.rsqrt(xf.square().mean(dim=dims, keepdim=True) + eps)  # the §12 golden recipe
+    return (xf * rstd * gamma.float()).to(x.dtype), rstd
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "g_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+    ],
+)
+def test_rms_norm_golden(npu: types.ModuleType, x_dtype: torch.dtype, g_dtype: torch.dtype) -> None:
+    x, gamma = torch.randn(2, 3, 16).to(x_dtype), torch.randn(16).to(g_dtype)
+    out = npu.npu_rms_norm(x, gamma, epsilon=1e-5)
+    assert isinstance(out, tuple) and len(out) == 2
+    y, rstd = out
+    y_ref, rstd_ref = ref_rms_norm(x, gamma, 1e-5)
+    # Bit-exact: fp32 inside and ONE cast at the end, as the golden does.
+    assert torch.equal(y, y_ref) and torch.equal(rstd, rstd_ref)
+    assert y.dtype == x_dtype and rstd.dtype == torch.float32 and rstd.shape == (2, 3, 1)
+    # HF LlamaRMSNorm rounds x*rstd to the input dtype before the weight: at most ~1 ulp away.
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    hf = gamma * (x.float() * torch.rsqrt(var + 1e-5)).to(x_dtype)
+    torch.testing.assert_close(y.float(), hf.float(), **BF16_TOL)
+
+
+def test_rms_norm_normalises_the_last_gamma_dims(npu: types.ModuleType) -> None:
+    x, gamma = torch.randn(2, 3, 4, 8), torch.randn(4, 8)
+    y, rstd = npu.npu_rms_norm(x, gamma)
+    y_ref, rstd_ref = ref_rms_norm(x, gamma)
+    close(y, y_ref)
+    assert rstd.shape == (2, 3, 1, 1)
+    close(rstd, rstd_ref)
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "g_dtype", "shape", "error"),
+    [
+        (torch.float16, torch.bfloat16, (8,), "dtypes"),
+        (torch.float32, torch.float16, (8,), "dtypes"),
+        (torch.float64, torch.float64, (8,), "dtypes"),
+        (torch.float32, torch.float32, (4,), "gamma shape"),
+        (torch.float32, torch.float32, (2, 8), "gamma shape"),
+    ],
+)
+def test_rms_norm_limits(
+    npu: types.ModuleType, x_dtype: torch.dtype, g_dtype: torch.dtype, shape, error
+) -> None:
+    with pytest.raises(RuntimeError, match=error):
+        npu.npu_rms_norm(torch.randn(3, 8).to(x_dtype), torch.randn(*shape).to(g_dtype))
+
+
+def test_rms_norm_autograd_matches_reference(npu: types.ModuleType) -> None:
+    x, gamma = leaf(3, 5, 16), leaf(16)
+    upstream = torch.randn(3, 5, 16)
+    y, rstd = npu.npu_rms_norm(x, gamma)
+    assert not rstd.requires_grad
+    got = grads_of((y * upstream).sum(), x, gamma)
+    want = grads_of((ref_rms_norm(x, gamma)[0] * upstream).sum(), x, gamma)
+    for g, w in zip(got, want, strict=True):
+        close(g, w)
+    assert npu.calls["npu_rms_norm_backward"] == 1
+
+
+@pytest.mark.parametrize("g_dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_grad_dtypes(npu: types.ModuleType, g_dtype: torch.dtype) -> None:
+    x, gamma = leaf(4, 16, dtype=torch.bfloat16), leaf(16, dtype=g_dtype)
+    npu.npu_rms_norm(x, gamma)[0].sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and gamma.grad.dtype == g_dtype
+    dx, dgamma = npu.npu_rms_norm_backward(
+        torch.ones(4, 16, dtype=torch.bfloat16), x, gamma, torch.ones(4, 1)
+    )
+    assert dx.dtype == torch.bfloat16 and dgamma.dtype == torch.float32 and dgamma.shape == (16,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rms_norm_golden_and_silent_no_grad(npu: types.ModuleType, dtype: torch.dtype) -> None:
+    x, gamma = leaf(2, 3, 16, dtype=dtype), leaf(16, dtype=dtype)
+    y, rstd = npu.npu_gemma_rms_norm(x, gamma)
+    xf = x.detach().float()
+    ref = xf / torch.sqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * (1 + gamma.detach().float())
+    close(y, ref.to(dtype))
+    assert rstd.dtype == torch.float32 and rstd.shape == (2, 3, 1) and y.grad_fn is not None
+    assert_silent_no_grad(lambda: npu.npu_gemma_rms_norm(x, gamma)[0].sum(), x, gamma)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_golden(npu: types.ModuleType, dtype: torch.dtype) -> None:
+    x1, x2, gamma = (
+        torch.randn(2, 4, 16).to(dtype),
+        torch.randn(2, 4, 16).to(dtype),
+        torch.randn(16).to(dtype),
+    )
+    out = npu.npu_add_rms_norm(x1, x2, gamma, 1e-5)
+    assert isinstance(out, tuple) and len(out) == 3
+    y, rstd, x = out
+    assert torch.equal(x, x1 + x2) and x.dtype == dtype  # the sum is rounded to the input dtype first
+    y_ref, rstd_ref = ref_rms_norm(x1 + x2, gamma, 1e-5)
+    close(y, y_ref)
+    close(rstd, rstd_ref)
+
+
+def test_add_rms_norm_limits_and_backward_raises(npu: types.ModuleType) -> None:
+    with pytest.raises(RuntimeError, match="gamma dtype"):
+        npu.npu_add_rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(2, 8).bfloat16(), torch.randn(8))
+    with pytest.raises(RuntimeError, match="empty"):
+        npu.npu_add_rms_norm(torch.randn(0, 8), torch.randn(0, 8), torch.randn(8))
+    x1, x2, gamma = leaf(2, 8), leaf(2, 8), leaf(8)
+    y, _, x = npu.npu_add_rms_norm(x1, x2, gamma)
+    with pytest.raises(RuntimeError, match="derivative for npu::npu_add_rms_norm is not implemented"):
+        (y.sum() + x.sum()).backward()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# SwiGLU
+# ------------------------------------------------------------------------------------------------------------
+
+
+def ref_swiglu(x: torch.Tensor, dim: int) -> torch.Tensor:
+    half = x.shape[dim] // 2
+    a, b = x.float().narrow(dim, 0, half), x.float().narrow(dim, half, half)
+    return (a * torch.sigmoid(a) * b).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+def test_swiglu_golden(npu: types.ModuleType, dtype: torch.dtype, dim: int) -> None:
+    x = torch.randn(4, 6, 8).to(dtype)
+    y = npu.npu_swiglu(x, dim=dim)
+    close(y, ref_swiglu(x, dim))
+    assert y.shape[dim] == x.shape[dim] // 2
+
+
+def test_swiglu_gates_the_first_half(npu: types.ModuleType) -> None:
+    gate, up = torch.randn(3, 8), torch.randn(3, 8)
+    close(npu.npu_swiglu(torch.cat([gate, up], -1)), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_autograd_matches_reference(npu: types.ModuleType, dtype: torch.dtype) -> None:
+    x, upstream = leaf(3, 4, 10, dtype=dtype), torch.randn(3, 4, 5)
+    (got,) = grads_of((npu.npu_swiglu(x).float() * upstream).sum(), x)
+    xf = x.detach().float().requires_grad_()
+    (want,) = grads_of((ref_swiglu(xf, -1) * upstream).sum(), xf)
+    close(got, want.to(dtype))
+    assert npu.calls["npu_swiglu_backward"] == 1
+
+
+@pytest.mark.parametrize(
+    ("x", "dim", "error"),
+    [
+        (torch.randn(4, 7), -1, "even"),
+        (torch.randn(8, 4).t(), -1, "contiguous"),
+        (torch.randn(4, 8), 2, "out of range"),
+        (torch.randn(0, 8), -1, "empty"),
+        (torch.randn(()), 0, "1-8-D"),
+        (torch.randn([1] * 8 + [2]), -1, "1-8-D"),
+        (torch.randn(4, 8).double(), -1, "dtype"),
+        (torch.ones(4, 8, dtype=torch.int32), -1, "dtype"),
+    ],
+    ids=["odd", "non-contiguous", "dim-range", "empty", "0-d", "9-d", "fp64", "int"],
+)
+def test_swiglu_limits(npu: types.ModuleType, x: torch.Tensor, dim: int, error: str) -> None:
+    with pytest.raises(RuntimeError, match=error):
+        npu.npu_swiglu(x, dim)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# RoPE
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_mul_half_matches_hf(npu: types.ModuleType, dtype: torch.dtype) -> None:
+    q = torch.randn(2, 4, 5, 16).to(dtype)  # BNSD, cos/sin B1SD as HF's unsqueeze(1)
+    cos, sin = torch.randn(2, 1, 5, 16), torch.randn(2, 1, 5, 16)  # fp32: cast to q's dtype first
+    out = npu.npu_rotary_mul(q, cos, sin)
+    cos_q, sin_q = cos.to(dtype), sin.to(dtype)
+    assert torch.equal(out, q * cos_q + rotate_half(q) * sin_q) and out.dtype == dtype
+
+
+def test_rotary_mul_interleave_and_rotate_matrix(npu: types.ModuleType) -> None:
+    x, cos, sin = torch.randn(2, 5, 3, 8), torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8)  # BSND, 1S1D
+    close(npu.npu_rotary_mul(x, cos, sin, "interleave"), x * cos + rotate_interleave(x) * sin)
+    h = 4
+    rotate = torch.zeros(8, 8)
+    rotate[:h, h:], rotate[h:, :h] = torch.eye(h), -torch.eye(h)  # the doc's half-mode matrix
+    close(npu.npu_rotary_mul(x, cos, sin, rotate=rotate), x * cos + rotate_half(x) * sin)
+
+
+@pytest.mark.parametrize(
+    ("mode", "x_shape", "r_shape"),
+    [
+        ("half", (2, 3, 5, 8), (2, 1, 5, 8)),
+        ("half", (2, 3, 5, 8), (1, 1, 5, 8)),
+        ("half", (2, 5, 3, 8), (2, 5, 3, 8)),
+        ("half", (7, 3, 8), (7, 1, 8)),
+        ("interleave", (2, 3, 5, 8), (1, 1, 5, 8)),
+        ("interleave", (7, 3, 8), (7, 1, 8)),
+    ],
+)
+def test_rotary_mul_autograd_matches_reference(npu: types.ModuleType, mode: str, x_shape, r_shape) -> None:
+    x, cos, sin = leaf(*x_shape), leaf(*r_shape), leaf(*r_shape)
+    upstream = torch.randn(*x_shape)
+    rot = rotate_half if mode == "half" else rotate_interleave
+    got = grads_of((npu.npu_rotary_mul(x, cos, sin, mode) * upstream).sum(), x, cos, sin)
+    want = grads_of(((x * cos + rot(x) * sin) * upstream).sum(), x, cos, sin)
+    for g, w in zip(got, want, strict=True):
+        close(g, w)
+    assert npu.calls["npu_rotary_mul_backward"] == 1
+
+
+def test_rotary_mul_grads_keep_r_dtype_and_rotate_disables_backward(npu: types.ModuleType) -> None:
+    x, cos, sin = leaf(1, 2, 3, 8, dtype=torch.bfloat16), leaf(1, 1, 3, 8), leaf(1, 1, 3, 8)
+    npu.npu_rotary_mul(x, cos, sin).sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and cos.grad.dtype == torch.float32
+    out = npu.npu_rotary_mul(x, cos, sin, rotate=torch.eye(8))
+    with pytest.raises(RuntimeError, match="rotate"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "r_shape", "mode", "error"),
+    [
+        ((2, 3, 5, 7), (1, 1, 5, 7), "half", "even"),
+        ((1, 1, 2, 896), (1, 1, 2, 896), "half", "< 896"),
+        ((5, 8), (5, 8), "half", "3-D or 4-D"),
+        ((1, 2, 3, 4, 8), (1, 1, 1, 4, 8), "half", "3-D or 4-D"),
+        ((2, 3, 5, 8), (1, 1, 5, 8), "quarter", "rotary_mode"),  # Ascend 950 only
+        ((2, 3, 5, 8), (1, 1, 5, 4), "half", "full head dim"),  # half-dim cos
+        ((2, 3, 5, 8), (1, 5, 8), "half", "rank"),
+        ((2, 3, 5, 8), (1, 3, 5, 8), "half", "layout"),  # 1NSD is no layout
+        ((2, 3, 5, 8), (1, 1, 1, 8), "half", "layout"),  # does not span S
+        ((2, 3, 5, 8), (2, 1, 5, 8), "interleave", "layout"),  # B1SD is half-only
+        ((2, 3, 5, 8), (1, 1, 2, 8), "half", "broadcast"),
+        ((1000, 1, 1, 8), (1000, 1, 1, 8), "half", "B < 1000"),
+        ((40, 25, 1, 8), (1, 1, 1, 8), "interleave", "B\\*N < 1000"),
+    ],
+)
+def test_rotary_mul_limits(npu: types.ModuleType, x_shape, r_shape, mode: str, error: str) -> None:
+    with pytest.raises(RuntimeError, match=error):
+        npu.npu_rotary_mul(torch.randn(*x_shape), torch.randn(*r_shape), torch.randn(*r_shape), mode)
+
+
+def test_rotary_mul_grad_limit_applies_only_when_r_needs_grad(npu: types.ModuleType) -> None:
+    x, r = torch.randn(33, 32, 1, 8), torch.randn(1, 1, 1, 8)  # B*N = 1056
+    npu.npu_rotary_mul(x, r, r)
+    npu.npu_rotary_mul(torch.randn(40, 25, 1, 8), r, r)  # B*N = 1000 is fine in half mode
+    with pytest.raises(RuntimeError, match="1024"):
+        npu.npu_rotary_mul(x, r.requires_grad_(), r)
+    with pytest.raises(RuntimeError, match=r"r1 .* and r2 .* must have one shape"):
+        npu.npu_rotary_mul(x, r, torch.randn(1, 1, 1, 8).expand(1, 32, 1, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_apply_rotary_pos_emb_in_place(npu: types.ModuleType, dtype: torch.dtype, layout: str) -> None:
+    lead = (2, 3) if layout == "BSND" else (6,)
+    q, k = torch.randn(*lead, 4, 64).to(dtype), torch.randn(*lead, 2, 64).to(dtype)
+    cos, sin = torch.randn(*lead, 1, 64).to(dtype), torch.randn(*lead, 1, 64).to(dtype)
+    want_q, want_k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    out = npu.npu_apply_rotary_pos_emb(q, k, cos, sin, layout)
+    assert isinstance(out, tuple) and out[0] is q and out[1] is k
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "cos_shape", "kwargs", "error"),
+    [
+        ((2, 3, 4, 32), (2, 3, 1, 32), {}, "64 or 128"),
+        ((2, 3, 4, 64), (1, 3, 1, 64), {}, "no broadcasting"),
+        ((2, 3, 4, 64), (2, 3, 1, 64), {"layout": "BNSD"}, "only BSND and TND"),
+        ((2, 3, 4, 64), (2, 3, 1, 64), {"rotary_mode": "interleave"}, "only 'half'"),
+        ((6, 4, 64), (6, 1, 64), {}, "needs 4-D"),  # 3-D is TND only
+    ],
+)
+def test_apply_rotary_pos_emb_limits(npu: types.ModuleType, q_shape, cos_shape, kwargs, error) -> None:
+    q, cos = torch.randn(*q_shape), torch.randn(*cos_shape)
+    with pytest.raises(RuntimeError, match=error):
+        npu.npu_apply_rotary_pos_emb(q, q.clone(), cos, cos.clone(), **kwargs)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        npu.npu_apply_rotary_pos_emb(
+            *(torch.randn(2, 3, 4, 64) for _ in range(3)), torch.randn(2, 3, 1, 64).half()
+        )
+
+
+def test_apply_rotary_pos_emb_accepts_bsh_and_backward_raises(npu: types.ModuleType) -> None:
+    w = leaf(2, 3, 4 * 64)
+    q, k = (w * 1).view(2, 3, 4, 64), (w * 2).view(2, 3, 4, 64)  # views of projections, as in HF
+    cos, sin = torch.randn(2, 3, 1, 64), torch.randn(2, 3, 1, 64)
+    q_out, _ = npu.npu_apply_rotary_pos_emb(q, k, cos, sin, layout="BSH")
+    with pytest.raises(RuntimeError, match="derivative for npu::npu_apply_rotary_pos_emb is not implemented"):
+        q_out.sum().backward()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Grouped matmul
+# ------------------------------------------------------------------------------------------------------------
+
+
+def ref_moe_gmm(x, w_ekn, counts, bias=None) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], w_ekn.shape[2])
+    start = 0
+    for e, c in enumerate(counts):
+        y = x[start : start + c].float() @ w_ekn[e].float()
+        out[start : start + c] = y if bias is None else y + bias[e].float()
+        start += c
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group_list_type", "split_item"), [(1, 3), (0, 2), (0, 3)])
+def test_grouped_matmul_moe_golden(npu, dtype: torch.dtype, group_list_type: int, split_item: int) -> None:
+    counts = [3, 0, 4]  # 7 of 10 rows: the tail rows come back zero
+    x, w = torch.randn(10, 6).to(dtype), torch.randn(3, 6, 5).to(dtype)
+    bias = torch.randn(3, 5).to(torch.float16 if dtype == torch.float16 else torch.float32)
+    group_list = torch.tensor(counts if group_list_type == 1 else [3, 3, 7], dtype=torch.int64)
+    out = npu.npu_grouped_matmul(
+        [x],
+        [w],
+        bias=list(bias),
+        group_list=group_list,
+        group_list_type=group_list_type,
+        split_item=split_item,
+        group_type=0,
+    )
+    assert isinstance(out, list) and len(out) == 1
+    close(out[0], ref_moe_gmm(x, w, counts, bias))
+    assert torch.equal(out[0][7:], torch.zeros(3, 5, dtype=dtype))
+
+
+def test_grouped_matmul_split_outputs_treat_group_list_as_cumulative(npu: types.ModuleType) -> None:
+    x, w = torch.randn(7, 6), torch.randn(3, 6, 5)
+    outs = npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([3, 3, 7]), split_item=0, group_type=0)
+    assert [o.shape for o in outs] == [(3, 5), (0, 5), (4, 5)]
+    close(torch.cat(outs), ref_moe_gmm(x, w, [3, 0, 4]))
+    # The C++ pitfall: counts [1, 2, 3] with split_item 0/1 are read as offsets 1, 2, 3.
+    outs = npu.npu_grouped_matmul(
+        [x], [w], group_list=torch.tensor([1, 2, 3]), group_list_type=1, split_item=1, group_type=0
+    )
+    assert [o.shape[0] for o in outs] == [1, 1, 1]
+    close(outs[2], x[2:3] @ w[2])
+
+
+def test_grouped_matmul_transposed_weights_and_ungrouped_lists(npu: types.ModuleType) -> None:
+    x, w_enk = torch.randn(6, 4), torch.randn(2, 5, 4)  # HF nn.Linear layout [E, N, K]
+    (out,) = npu.npu_grouped_matmul(
+        [x], [w_enk.transpose(1, 2)], group_list=torch.tensor([2, 6]), split_item=3, group_type=0
+    )
+    close(out, torch.cat([x[:2] @ w_enk[0].T, x[2:] @ w_enk[1].T]))
+    xs, ws = [torch.randn(3, 4), torch.randn(2, 4)], [torch.randn(4, 5), torch.randn(4, 6)]
+    outs = npu.npu_grouped_matmul(xs, ws, bias=[torch.randn(5), torch.randn(6)], group_type=-1)
+    assert len(outs) == 2 and outs[1].shape == (2, 6)
+    close(npu.npu_grouped_matmul(xs, ws, group_type=-1)[0], xs[0] @ ws[0])
+    (joined,) = npu.npu_grouped_matmul(xs, [ws[0], ws[0]], group_type=-1, split_item=2)
+    close(joined, torch.cat(xs) @ ws[0])
+
+
+def test_grouped_matmul_k_split_gives_weight_gradients(npu: types.ModuleType) -> None:
+    x, dy, counts = torch.randn(9, 4), torch.randn(9, 5), [2, 4, 3]
+    (dw,) = npu.npu_grouped_matmul(
+        [x.T], [dy], group_list=torch.tensor(counts), group_list_type=1, split_item=3, group_type=2
+    )
+    starts = [0, 2, 6, 9]
+    want = torch.stack([x[s:e].T @ dy[s:e] for s, e in itertools.pairwise(starts)])
+    close(dw, want)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"group_list": torch.tensor([3, 6])}, "Requires manual passing group_type"),
+        ({"group_list": torch.tensor([3, 6], dtype=torch.int32), "group_type": 0}, "int64"),
+        ({"group_list": torch.tensor([3, 7]), "group_type": 0, "split_item": 3}, "covers 7 > 6"),
+        ({"group_list": torch.tensor([4, 3]), "group_type": 0, "split_item": 3}, "non-decreasing"),
+        ({"group_list": torch.tensor([1] * 1025), "group_type": 0}, "1024"),
+        ({"group_list": torch.tensor([3, 6]), "group_type": 1}, "group_type"),
+        ({"group_list": torch.tensor([3, 6]), "group_type": 0, "split_item": 4}, "split_item"),
+        (
+            {"group_list": torch.tensor([3, 6]), "group_type": 0, "bias": [torch.randn(5).bfloat16()] * 2},
+            "bias",
+        ),
+        ({"group_list": torch.tensor([3, 6]), "group_type": 0, "scale": [torch.ones(5)]}, "quantised"),
+        ({"group_list": [3, 6], "group_type": 0}, "List overload"),
+    ],
+)
+def test_grouped_matmul_limits(npu: types.ModuleType, kwargs: dict, error: str) -> None:
+    x, w = torch.randn(6, 4).bfloat16(), torch.randn(2, 4, 5).bfloat16()
+    with pytest.raises(RuntimeError, match=error):
+        npu.npu_grouped_matmul([x], [w], **kwargs)
+
+
+def test_grouped_matmul_rejects_bare_tensors_and_wide_dims(npu: types.ModuleType) -> None:
+    with pytest.raises(TypeError):
+        npu.npu_grouped_matmul(torch.randn(6, 4), [torch.randn(4, 5)], group_type=-1)
+    with pytest.raises(RuntimeError, match="65536"):
+        npu.npu_grouped_matmul([torch.randn(1, 1)], [torch.randn(1, 65536)], group_type=-1)
+
+
+def test_grouped_matmul_gives_silently_no_gradient(npu: types.ModuleType) -> None:
+    x, w = leaf(6, 4), leaf(2, 4, 5)
+    out = npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([3, 6]), split_item=3, group_type=0)
+    assert out[0].grad_fn is not None
+
+    def loss() -> torch.Tensor:
+        groups = torch.tensor([3, 6])
+        return npu.npu_grouped_matmul([x], [w], group_list=groups, split_item=3, group_type=0)[0].sum()
+
+    assert_silent_no_grad(loss, x, w)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# MoE routing
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_gating_top_k_softmax_golden(npu: types.ModuleType) -> None:
+    x = torch.randn(5, 6)
+    x[1] = torch.tensor([1.0, 3.0, 3.0, 0.0, 3.0, -1.0])  # ties go to the lower expert index
+    finished = torch.tensor([False, False, True, False, False])
+    out = npu.npu_moe_gating_top_k_softmax(x, finished, k=3)
+    assert isinstance(out, tuple) and len(out) == 3
+    y, expert_idx, row_idx = out
+    p = torch.softmax(x, -1)
+    for i in range(5):
+        ranked = sorted(range(6), key=lambda e, i=i: (-p[i, e].item(), e))[:3]
+        assert expert_idx[i].tolist() == ([6, 6, 6] if finished[i] else ranked)
+        close(y[i], p[i, ranked])
+        assert row_idx[i].tolist() == [j * 5 + i for j in range(3)]
+    assert expert_idx[1].tolist() == [1, 2, 4]
+    assert (expert_idx.dtype, row_idx.dtype, y.dtype) == (torch.int32, torch.int32, torch.float32)
+    y3, idx3, rows3 = npu.npu_moe_gating_top_k_softmax(torch.randn(2, 3, 8).bfloat16(), k=2)
+    assert y3.shape == idx3.shape == rows3.shape == (2, 3, 2) and y3.dtype == torch.bfloat16
+
+
+def test_gating_top_k_softmax_limits_and_backward_raises(npu: types.ModuleType) -> None:
+    with pytest.raises(RuntimeError):
+        npu.npu_moe_gating_top_k_softmax(torch.randn(4, 3), k=4)
+    with pytest.raises(RuntimeError):
+        npu.npu_moe_gating_top_k_softmax(torch.randn(4, 3), torch.zeros(4, dtype=torch.int32))
+    x = leaf(4, 8)
+    y, _, _ = npu.npu_moe_gating_top_k_softmax(x, k=2)
+    with pytest.raises(
+        RuntimeError, match="derivative for npu::npu_moe_gating_top_k_softmax is not implemented"
+    ):
+        y.sum().backward()
+
+
+def test_compute_expert_tokens(npu: types.ModuleType) -> None:
+    out = npu.npu_moe_compute_expert_tokens(torch.tensor([0, 0, 1, 3, 3, 3], dtype=torch.int32), 5)
+    assert out.dtype == torch.int32 and out.tolist() == [2, 3, 3, 6, 6]
+    for bad in (torch.tensor([1, 0], dtype=torch.int32), torch.tensor([0, 1])):
+        with pytest.raises(RuntimeError):
+            npu.npu_moe_compute_expert_tokens(bad, 2)
+    with pytest.raises(RuntimeError):
+        npu.npu_moe_compute_expert_tokens(torch.tensor([0], dtype=torch.int32), 0)
+
+
+def ref_stable_order(flat: list[int]) -> list[int]:
+    return sorted(range(len(flat)), key=lambda f: (flat[f], f))
+
+
+def test_token_permute_and_unpermute_golden(npu: types.ModuleType) -> None:
+    tokens, topk = torch.randn(5, 4), 2
+    indices = torch.tensor([[3, 1], [0, 3], [1, 1], [2, 0], [3, 2]])
+    permuted, sorted_indices = npu.npu_moe_token_permute(tokens, indices)
+    order = ref_stable_order(indices.flatten().tolist())
+    assert torch.equal(permuted, tokens[[f // topk for f in order]])
+    assert sorted_indices.dtype == torch.int32
+    for f in range(10):  # the inverse permutation
+        assert torch.equal(permuted[sorted_indices[f]], tokens[f // topk])
+    probs = torch.rand(5, 2)
+    out = npu.npu_moe_token_unpermute(permuted, sorted_indices, probs)
+    want = torch.stack(
+        [sum(probs[t, k] * permuted[sorted_indices[t * 2 + k]] for k in range(2)) for t in range(5)]
+    )
+    close(out, want)
+    close(npu.npu_moe_token_unpermute(permuted, sorted_indices, torch.full((5, 2), 0.5)), tokens)
+    short, _ = npu.npu_moe_token_permute(tokens, indices, num_out_tokens=6)
+    assert torch.equal(short, permuted[:6])
+    single, single_idx = npu.npu_moe_token_permute(tokens.bfloat16(), indices[:, 0].int())
+    assert single.dtype == torch.bfloat16 and torch.equal(
+        npu.npu_moe_token_unpermute(single, single_idx), tokens.bfloat16()
+    )
+
+
+def test_token_permute_unpermute_autograd(npu: types.ModuleType) -> None:
+    tokens, probs = leaf(6, 4), leaf(6, 2)
+    indices = torch.tensor([[1, 0], [2, 1], [0, 2], [1, 2], [0, 1], [2, 0]])
+    upstream = torch.randn(6, 4)
+    permuted, sorted_indices = npu.npu_moe_token_permute(tokens, indices, num_out_tokens=10)
+    loss = (npu.npu_moe_token_unpermute(permuted * 3, sorted_indices, probs) * upstream).sum()
+    got = grads_of(loss, tokens, probs)
+    order = torch.tensor(ref_stable_order(indices.flatten().tolist()))
+    ref_permuted = torch.cat([tokens[order[:10] // 2], torch.zeros(2, 4)]) * 3  # dropped copies read zero
+    inverse = torch.argsort(order)
+    ref_out = (ref_permuted[inverse].reshape(6, 2, 4) * probs.unsqueeze(-1)).sum(1)
+    want = grads_of((ref_out * upstream).sum(), tokens, probs)
+    for g, w in zip(got, want, strict=True):
+        close(g, w)
+    assert (
+        npu.calls["npu_moe_token_permute_grad_v2"] == 1 and npu.calls["npu_moe_token_unpermute_grad_v2"] == 1
+    )
+
+
+def test_init_routing_v2_golden(npu: types.ModuleType) -> None:
+    x = torch.randn(4, 3)
+    expert_idx = torch.tensor([[2, 0], [1, 2], [0, 0], [3, 1]], dtype=torch.int32)
+    out = npu.npu_moe_init_routing_v2(
+        x, expert_idx, scale=torch.rand(4), expert_num=4, expert_tokens_num_flag=True
+    )
+    assert isinstance(out, tuple) and len(out) == 4
+    expanded_x, expanded_row_idx, cumsum, expanded_scale = out
+    order = ref_stable_order(expert_idx.flatten().tolist())
+    assert torch.equal(expanded_x, x[[f // 2 for f in order]])
+    assert expanded_row_idx.dtype == torch.int32
+    assert [expanded_row_idx[f].item() for f in order] == list(range(8))
+    assert cumsum.dtype == torch.int64 and cumsum.tolist() == [3, 5, 7, 8]
+    assert expanded_scale.dtype == torch.float32 and expanded_scale.shape == (8,)
+    counts = npu.npu_moe_init_routing_v2(
+        x, expert_idx, expert_num=4, expert_tokens_num_flag=True, expert_tokens_num_type=1
+    )[2]
+    assert counts.tolist() == [3, 2, 2, 1]
+    pairs = npu.npu_moe_init_routing_v2(
+        x, expert_idx, expert_num=6, expert_tokens_num_flag=True, expert_tokens_num_type=2
+    )[2]
+    assert pairs.tolist() == [[0, 3], [1, 2], [2, 2], [3, 1], [0, 0], [0, 0]]
+    _, _, no_counts, _ = npu.npu_moe_init_routing_v2(x, expert_idx)
+    assert no_counts.shape == () and no_counts.dtype == torch.int64
+
+
+def test_init_routing_v2_active_range_and_row_idx_type(npu: types.ModuleType) -> None:
+    x = torch.randn(4, 3)
+    expert_idx = torch.tensor([[2, 0], [1, 2], [0, 0], [3, 1]], dtype=torch.int32)
+    expanded_x, row_idx, counts, _ = npu.npu_moe_init_routing_v2(
+        x, expert_idx, active_expert_range=[1, 3], expert_tokens_num_flag=True, expert_tokens_num_type=1
+    )
+    in_range = [
+        f for f in ref_stable_order(expert_idx.flatten().tolist()) if 1 <= expert_idx.flatten()[f] < 3
+    ]
+    assert expanded_x.shape == (8, 3) and torch.equal(expanded_x[:4], x[[f // 2 for f in in_range]])
+    assert torch.equal(expanded_x[4:], torch.zeros(4, 3))
+    assert counts.tolist() == [2, 2]
+    assert sorted(row_idx.tolist()) == [-1, -1, -1, -1, 0, 1, 2, 3]
+    scatter = npu.npu_moe_init_routing_v2(x, expert_idx, row_idx_type=1)[1]
+    assert scatter.tolist() == ref_stable_order(expert_idx.flatten().tolist())
+    assert npu.npu_moe_init_routing_v2(x, expert_idx, active_num=3)[0].shape == (3, 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"drop_pad_mode": 1, "expert_capacity": 2, "expert_num": 4}, {"quant_mode": 0}, {"quant_mode": 1}],
+)
+def test_init_routing_v2_unmodelled_paths_refuse(npu: types.ModuleType, kwargs: dict) -> None:
+    with pytest.raises(NotImplementedError):
+        npu.npu_moe_init_routing_v2(torch.randn(2, 3), torch.zeros(2, 1, dtype=torch.int32), **kwargs)
+
+
+def test_init_routing_v2_gives_silently_no_gradient(npu: types.ModuleType) -> None:
+    x = leaf(4, 3)
+    expert_idx = torch.tensor([[1], [0], [1], [0]], dtype=torch.int32)
+    assert_silent_no_grad(lambda: npu.npu_moe_init_routing_v2(x, expert_idx)[0].sum(), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finalize_routing_round_trip(npu: types.ModuleType, dtype: torch.dtype) -> None:
+    n, k, h, e = 4, 2, 3, 4
+    x, skip = torch.randn(n, h).to(dtype), torch.randn(n, h).to(dtype)
+    expert_idx = torch.tensor([[2, 0], [1, 2], [0, 0], [3, 1]], dtype=torch.int32)
+    scales, bias = torch.rand(n, k), torch.randn(e, h).to(dtype)  # fp32 scales with bf16 rows
+    expanded_x, row_idx, _, _ = npu.npu_moe_init_routing_v2(x, expert_idx)
+    factor = torch.arange(1.0, 1.0 + n * k).unsqueeze(-1)  # a stand-in "expert FFN" per expanded row
+    rows = (expanded_x.float() * factor).to(dtype)
+    out = npu.npu_moe_finalize_routing(rows, skip, None, bias, scales, row_idx, expert_idx, drop_pad_mode=2)
+    want = skip.float().clone()
+    for i in range(n):
+        for j in range(k):
+            r = row_idx[i * k + j].item()
+            want[i] += scales[i, j] * (rows[r].float() + bias[expert_idx[i, j]].float())
+    close(out, want.to(dtype))
+    # Mode 0 reads the same index in column arrangement: idx[j*N + i].
+    column = row_idx.reshape(n, k).T.reshape(-1).contiguous()
+    close(npu.npu_moe_finalize_routing(rows, skip, None, bias, scales, column, expert_idx), out)
+
+
+def test_finalize_routing_without_scales_and_limits(npu: types.ModuleType) -> None:
+    rows = torch.randn(4, 3)
+    idx = torch.tensor([2, -1, 0, 1], dtype=torch.int32)
+    out = npu.npu_moe_finalize_routing(rows, None, None, None, None, idx, None)
+    assert torch.equal(out, torch.stack([rows[2], torch.zeros(3), rows[0], rows[1]]))
+    bias, experts = torch.randn(3, 3), torch.tensor([[0], [1], [2], [0]], dtype=torch.int32)
+    out = npu.npu_moe_finalize_routing(rows, None, None, bias, None, idx, experts)
+    close(
+        out, torch.stack([rows[2] + bias[0], torch.zeros(3), rows[0] + bias[2], rows[1] + bias[0]])
+    )  # -1: no bias
+    with pytest.raises(RuntimeError, match="outside"):
+        npu.npu_moe_finalize_routing(rows, None, None, None, None, idx + 3, None)
+    with pytest.raises(RuntimeError, match="skip2 requires skip1"):
+        npu.npu_moe_finalize_routing(rows, None, torch.randn(4, 3), None, None, idx, None)
+    with pytest.raises(NotImplementedError):
+        npu.npu_moe_finalize_routing(rows, None, None, None, None, idx, None, drop_pad_mode=1)
+    leaf_rows = leaf(4, 3)
+    assert_silent_no_grad(
+        lambda: npu.npu_moe_finalize_routing(leaf_rows, None, None, None, None, idx, None).sum(), leaf_rows
+    )

@@ -1,0 +1,79 @@
+"""python -m npu_autopatch status|check, as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+from .conftest import ROOT, child_env
+
+DENSE = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def cli(*args, **env):
+    return subprocess.run(
+        [sys.executable, "-m", "npu_autopatch", *args],
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+
+
+def test_check_simulate_lists_every_dense_model_applied():
+    run = cli("check", "--simulate")
+    assert run.returncode == 0, run.stderr
+    rows = {line.split()[0]: line.split()[1:3] for line in run.stdout.splitlines() if line[:1].islower()}
+    for model in DENSE:
+        assert rows[model] == ["applied", "rms_norm,swiglu,rope"], run.stdout
+    assert "simulated:        True" in run.stdout
+
+
+def test_check_json_is_machine_readable_and_names_the_environment():
+    run = cli("check", "--simulate", "--json")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["environment"]["torch_npu"] == "0.0.0+cpu.standin"
+    assert report["environment"]["transformers"]
+    assert all(report["models"][m]["state"] == "applied" for m in DENSE)
+    assert report["models"]["qwen3"]["targets"][0].endswith("modeling_qwen3:Qwen3RMSNorm.forward")
+
+
+def test_check_without_npu_skips_every_model_and_succeeds():
+    run = cli("check", "--json")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["environment"]["npu_visible"].startswith("no: torch_npu not importable")
+    assert {r["state"] for r in report["models"].values()} == {"skipped"}
+
+
+def test_check_exits_1_when_a_model_fails():
+    run = cli("check", "--simulate", NPU_AUTOPATCH_STRICT="1", NPU_AUTOPATCH_KERNELS="rms_norm")
+    assert run.returncode == 0, run.stderr  # strict, but every selected model applies
+    failing = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from npu_autopatch.__main__ import main\n"
+            "from transformers.models.qwen3 import modeling_qwen3\n"
+            "del modeling_qwen3.Qwen3MLP\n"
+            "sys.exit(main(['check', '--simulate']))",
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert failing.returncode == 1, failing.stderr
+    assert "qwen3    failed" in failing.stdout
+    assert "target Qwen3MLP.forward not found" in failing.stdout
+
+
+def test_status_prints_the_environment_and_every_model():
+    run = cli("status", NPU_AUTOPATCH="1")
+    assert run.returncode == 0, run.stderr
+    assert "patching_enabled: True" in run.stdout
+    for model in DENSE:
+        assert f"\n{model} " in run.stdout
+    assert "waiting for the import of transformers.models.llama.modeling_llama" in run.stdout

@@ -1,0 +1,78 @@
+"""Rank-0-only logging, in fresh interpreters launched as a launcher would launch ranks."""
+
+import pytest
+
+from .conftest import STAND_IN_SITE, run_python
+
+IMPORT_QWEN3 = "from transformers.models.qwen3 import modeling_qwen3"
+NO_NPU = (
+    "npu-autopatch: NPU kernels not used, models run stock: "
+    "torch_npu not importable: ModuleNotFoundError: No module named 'torch_npu'"
+)
+
+
+def our_lines(stderr):
+    return [line for line in stderr.splitlines() if "npu-autopatch" in line]
+
+
+@pytest.mark.parametrize(
+    "rank_env",
+    [{}, {"RANK": "0"}, {"SLURM_PROCID": "0"}, {"OMPI_COMM_WORLD_RANK": "0"}, {"PMI_RANK": "0"}],
+    ids=["single-process", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"],
+)
+def test_rank_zero_or_single_process_logs_a_failure_once(rank_env):
+    child = run_python(
+        IMPORT_QWEN3 + "\nfrom transformers.models.llama import modeling_llama", NPU_AUTOPATCH="1", **rank_env
+    )
+    assert child.returncode == 0, child.stderr
+    assert our_lines(child.stderr) == [NO_NPU]
+
+
+@pytest.mark.parametrize(
+    "rank_env",
+    [
+        {"RANK": "1"},
+        {"SLURM_PROCID": "7"},
+        {"OMPI_COMM_WORLD_RANK": "3"},
+        {"PMI_RANK": "2"},
+        {"RANK": "5", "SLURM_PROCID": "0"},
+    ],
+)
+def test_other_ranks_stay_silent(rank_env):
+    child = run_python(IMPORT_QWEN3, NPU_AUTOPATCH="1", **rank_env)
+    assert child.returncode == 0, child.stderr
+    assert our_lines(child.stderr) == []
+
+
+def test_log_all_ranks_tags_each_line_with_the_rank():
+    child = run_python(IMPORT_QWEN3, NPU_AUTOPATCH="1", RANK="3", NPU_AUTOPATCH_LOG_ALL_RANKS="1")
+    assert our_lines(child.stderr) == [NO_NPU.replace("npu-autopatch:", "npu-autopatch [rank 3]:")]
+
+
+def test_standard_logging_configuration_governs_our_messages():
+    configured = """
+        import logging, sys
+        fmt = "%(levelname)s %(name)s %(message)s"
+        logging.basicConfig(stream=sys.stdout, format=fmt, level=logging.INFO)
+        from transformers.models.qwen3 import modeling_qwen3
+    """
+    child = run_python(configured, NPU_AUTOPATCH="1", PYTHONPATH=str(STAND_IN_SITE))
+    assert child.returncode == 0, child.stderr
+    assert (
+        "INFO npu_autopatch npu-autopatch: qwen3: applied rms_norm, swiglu, rope to 3 targets" in child.stdout
+    )
+    assert our_lines(child.stderr) == []
+
+    silenced = configured.replace(
+        "level=logging.INFO)",
+        "level=logging.INFO)\n        logging.getLogger('npu_autopatch').setLevel(logging.ERROR)",
+    )
+    child = run_python(silenced, NPU_AUTOPATCH="1")
+    assert child.returncode == 0, child.stderr
+    assert "npu-autopatch" not in child.stdout + child.stderr
+
+
+def test_success_is_not_printed_without_logging_configured():
+    child = run_python(IMPORT_QWEN3, NPU_AUTOPATCH="1", PYTHONPATH=str(STAND_IN_SITE))
+    assert child.returncode == 0, child.stderr
+    assert our_lines(child.stderr) == []

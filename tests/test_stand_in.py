@@ -10,6 +10,7 @@ import ast
 import importlib.util
 import inspect
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -106,7 +107,8 @@ def test_unavailable_and_missing() -> None:
         make_torch_npu(missing=["npu_not_an_op"])
 
 
-# Schemas as registered by torch_npu 2.14 (torch_npu_ops.md), plus the two MoE grad ops from op-plugin.
+# Schemas as registered by torch_npu 2.14 (torch_npu_ops.md), plus the MoE and attention grad ops
+# from op-plugin.
 SCHEMAS = [
     "npu_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06)",
     "npu_rms_norm_backward(Tensor dy, Tensor input, Tensor gamma, Tensor rstd)",
@@ -118,6 +120,20 @@ SCHEMAS = [
     "npu_rotary_mul_backward(Tensor grad, Tensor input, Tensor r1, Tensor r2, str rotary_mode='half')",
     "npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSND', "
     "str rotary_mode='half')",
+    "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+    "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+    "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+    "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+    'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None, '
+    "Tensor? dropout_mask=None, int seed=0, int offset=0)",
+    # op-plugin's schema (op_plugin_functions.yaml); torch_npu_ops.md quotes only the forward's.
+    "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+    "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+    "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, Tensor? attention_in=None, "
+    "float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, "
+    "int inner_precise=0, int seed=0, int offset=0, int numels=0, int[]? prefix=None, "
+    "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+    'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None)',
     "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? scale=None, "
     "Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? antiquant_offset=None, "
     "Tensor[]? per_token_scale=None, Tensor? group_list=None, Tensor[]? activation_input=None, "
@@ -589,6 +605,337 @@ def test_apply_rotary_pos_emb_accepts_bsh_and_backward_raises(npu: types.ModuleT
     q_out, _ = npu.npu_apply_rotary_pos_emb(q, k, cos, sin, layout="BSH")
     with pytest.raises(RuntimeError, match="derivative for npu::npu_apply_rotary_pos_emb is not implemented"):
         q_out.sum().backward()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Fusion attention
+# ------------------------------------------------------------------------------------------------------------
+
+TRIU_2048 = torch.triu(torch.ones([2048, 2048]), diagonal=1).bool()  # HF's get_attn_mask_npu
+
+# BNSD -> layout, and the output back to BNSD (given N).
+FA_LAYOUTS = {
+    "BNSD": (lambda t: t, lambda t, n: t),
+    "BSND": (lambda t: t.transpose(1, 2), lambda t, n: t.transpose(1, 2)),
+    "BSH": (lambda t: t.transpose(1, 2).flatten(2), lambda t, n: t.unflatten(2, (n, -1)).transpose(1, 2)),
+    "SBH": (
+        lambda t: t.permute(2, 0, 1, 3).flatten(2),
+        lambda t, n: t.unflatten(2, (n, -1)).permute(1, 2, 0, 3),
+    ),
+}
+
+
+def ref_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    masked: torch.Tensor | None = None,
+    pse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain attention on fp32 [B, N, S, D] (masked: True = left out); query head h reads KV head
+    h // (N / Nkv).
+
+    Returns (out, row max, row sum of exp(s - max)); fully masked rows give out 0.
+    """
+    group = q.shape[1] // k.shape[1]
+    heads = torch.tensor([h // group for h in range(q.shape[1])])
+    k, v = k.index_select(1, heads), v.index_select(1, heads)
+    s = torch.einsum("bnqd,bnkd->bnqk", q, k)
+    s = (s if pse is None else s + pse) * scale
+    if masked is not None:
+        s = s.masked_fill(masked, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v, m.squeeze(-1), torch.exp(s - m).sum(-1)
+
+
+def band_masked(sq: int, skv: int, pre: int, nxt: int, delta: int = 0) -> torch.Tensor:
+    """The op doc's band: triu(ones, next+1) | tril(ones, -pre-1) is masked, origin moved right by delta."""
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    return ones.triu(delta + nxt + 1) | ones.tril(delta - pre - 1)
+
+
+def stats_of(row: torch.Tensor) -> torch.Tensor:
+    return row.unsqueeze(-1).expand(*row.shape, 8)
+
+
+def test_fusion_attention_schema_spelling_and_return(npu: types.ModuleType) -> None:
+    """pre_tockens/next_tockens keep the schema's spelling; the int outputs are Python ints."""
+    q = torch.randn(1, 2, 3, 8)
+    result = npu.npu_fusion_attention(q, q, q, 2, "BNSD", pre_tockens=1, next_tockens=0)
+    assert len(result) == 7 and [type(x) for x in result[4:]] == [int, int, int]
+    with pytest.raises(TypeError):
+        npu.npu_fusion_attention(q, q, q, 2, "BNSD", pre_tokens=1)
+
+
+@pytest.mark.parametrize("layout", ["BSH", "SBH", "BSND", "BNSD"])
+def test_fusion_attention_layouts_gqa_and_backward(npu: types.ModuleType, layout: str) -> None:
+    b, n, nkv, sq, skv, d, dv = 2, 4, 2, 5, 7, 16, 8
+    q, k, v = leaf(b, n, sq, d), leaf(b, nkv, skv, d), leaf(b, nkv, skv, dv)
+    to, back = FA_LAYOUTS[layout]
+    out, smax, ssum, sout, seed, offset, numels = npu.npu_fusion_attention(
+        to(q), to(k), to(v), n, layout.lower(), scale=0.3
+    )
+    ref, m, s = ref_attention(q, k, v, 0.3)
+    close(back(out, n), ref)
+    assert out.shape == to(ref).shape and out.is_contiguous()
+    close(smax, stats_of(m))
+    close(ssum, stats_of(s))
+    assert sout.shape == (0,) and sout.dtype == torch.float32
+    assert (seed, offset, numels) == (0, 0, b * n * sq * skv)
+    weight = torch.randn(ref.shape)
+    for actual, expected in zip(
+        grads_of((back(out, n) * weight).sum(), q, k, v), grads_of((ref * weight).sum(), q, k, v), strict=True
+    ):
+        close(actual, expected)
+    assert npu.calls == {"npu_fusion_attention": 1, "npu_fusion_attention_grad": 1}
+
+
+def test_fusion_attention_without_a_mask_ignores_sparse_mode(npu: types.ModuleType) -> None:
+    """§6.1 CRITICAL: without atten_mask, sparse_mode and pre/next do not take effect. scale defaults to 1."""
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    ref = ref_attention(q, k, v, 1.0)[0]
+    for kwargs in ({"sparse_mode": 3}, {"sparse_mode": 2}, {"sparse_mode": 4, "pre_tockens": 0}, {}):
+        close(npu.npu_fusion_attention(q, k, v, 2, "BNSD", next_tockens=0, **kwargs)[0], ref)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8])
+@pytest.mark.parametrize("mode", [2, 3, 4])
+def test_fusion_attention_compressed_mask_rules(npu: types.ModuleType, mode: int, mask_dtype) -> None:
+    """Modes 2-4 take the 2048x2048 mask as 'use the rule': left-up causal, right-down causal, band from
+    the bottom-right (pre/next only count in mode 4)."""
+    sq, skv, pre, nxt = 5, 8, 2, 1
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    masked = {2: ones.triu(1), 3: ones.triu(1 + skv - sq), 4: band_masked(sq, skv, pre, nxt, skv - sq)}[mode]
+    q, k, v = torch.randn(2, 2, sq, 8), torch.randn(2, 1, skv, 8), torch.randn(2, 1, skv, 8)
+    mask = TRIU_2048.to(mask_dtype)
+    out, smax, ssum, *_ = npu.npu_fusion_attention(
+        q, k, v, 2, "BNSD", atten_mask=mask, sparse_mode=mode, scale=0.5, pre_tockens=pre, next_tockens=nxt
+    )
+    ref, m, s = ref_attention(q, k, v, 0.5, masked)
+    close(out, ref)
+    close(smax, stats_of(m))
+    close(ssum, stats_of(s))
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("mask_shape", ["SS", "11SS", "B1SS", "BNSS"])
+def test_fusion_attention_full_masks(npu: types.ModuleType, mask_shape: str, mode: int) -> None:
+    """True/1 = masked out; mode 0 also bands with pre/next from the top-left, mode 1 ignores them."""
+    b, n, s, pre, nxt = 2, 2, 6, 1, 2
+    dims = {"SS": (s, s), "11SS": (1, 1, s, s), "B1SS": (b, 1, s, s), "BNSS": (b, n, s, s)}[mask_shape]
+    user = (torch.rand(dims) < 0.4) & ~torch.eye(s, dtype=torch.bool)  # the diagonal keeps every row live
+    mask = user.to(torch.uint8) if mask_shape == "B1SS" else user
+    q, k, v = (torch.randn(b, s, n, 8) for _ in range(3))
+    out = npu.npu_fusion_attention(
+        q, k, v, n, "BSND", atten_mask=mask, sparse_mode=mode, pre_tockens=pre, next_tockens=nxt, scale=0.4
+    )[0]
+    masked = user | band_masked(s, s, pre, nxt) if mode == 0 else user
+    ref = ref_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.4, masked)[0]
+    close(out, ref.transpose(1, 2))
+
+
+def test_fusion_attention_fully_masked_rows_give_zero(npu: types.ModuleType) -> None:
+    q, k, v = leaf(1, 2, 4, 8), leaf(1, 2, 4, 8), leaf(1, 2, 4, 8)
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[1] = True
+    out, smax, ssum, *_ = npu.npu_fusion_attention(q, k, v, 2, "BNSD", atten_mask=mask, sparse_mode=1)
+    ref = ref_attention(q, k, v, 1.0, mask)[0]
+    close(out, ref)
+    assert not out[:, :, 1].any()
+    assert smax[:, :, 1].isneginf().all() and not ssum[:, :, 1].any()
+    for actual, expected in zip(grads_of(out.sum(), q, k, v), grads_of(ref.sum(), q, k, v), strict=True):
+        assert actual.isfinite().all()
+        close(actual, expected)
+
+
+@pytest.mark.parametrize("pse_shape", [(2, 4, 5, 6), (1, 4, 5, 6), (2, 4, 1, 6)])
+def test_fusion_attention_pse_is_added_before_scale(npu: types.ModuleType, pse_shape: tuple) -> None:
+    """pse_type 1: scale * (q k^T + pse); dpse comes back in pse's own (broadcast) shape."""
+    q, k, v, pse = leaf(2, 4, 5, 8), leaf(2, 2, 6, 8), leaf(2, 2, 6, 8), leaf(*pse_shape)
+    out = npu.npu_fusion_attention(
+        q, k, v, 4, "BNSD", pse=pse, atten_mask=TRIU_2048, sparse_mode=3, scale=0.5
+    )[0]
+    ref = ref_attention(q, k, v, 0.5, torch.ones(5, 6, dtype=torch.bool).triu(2), pse)[0]
+    close(out, ref)
+    weight = torch.randn(ref.shape)
+    inputs = (q, k, v, pse)
+    for actual, expected in zip(
+        grads_of((out * weight).sum(), *inputs), grads_of((ref * weight).sum(), *inputs), strict=True
+    ):
+        close(actual, expected)
+
+
+@pytest.mark.parametrize("softmax_layout", ["", "TND"])
+def test_fusion_attention_tnd_varlen(npu: types.ModuleType, softmax_layout: str) -> None:
+    """Cumulative offsets without the leading 0; each sequence attends within itself with its own Δ."""
+    n, nkv, d, qlen, kvlen = 4, 2, 8, [2, 5, 9], [3, 6, 12]
+    q, k, v = leaf(9, n, d), leaf(12, nkv, d), leaf(12, nkv, d)
+    out, smax, ssum, _, seed, offset, numels = npu.npu_fusion_attention(
+        q,
+        k,
+        v,
+        n,
+        "TND",
+        atten_mask=TRIU_2048,
+        sparse_mode=3,
+        scale=0.35,
+        actual_seq_qlen=qlen,
+        actual_seq_kvlen=kvlen,
+        softmax_layout=softmax_layout,
+    )
+    refs, maxes = [], []
+    bounds = zip(itertools.pairwise([0, *qlen]), itertools.pairwise([0, *kvlen]), strict=True)
+    for (q0, q1), (k0, k1) in bounds:
+        bnsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[q0:q1], k[k0:k1], v[k0:k1])]
+        masked = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).triu(1 + (k1 - k0) - (q1 - q0))
+        ref, m, _ = ref_attention(*bnsd, 0.35, masked)
+        refs.append(ref[0].transpose(0, 1))
+        maxes.append(m[0])
+    ref, row_max = torch.cat(refs), torch.cat(maxes, dim=1)  # [T, N, D], [N, T]
+    close(out, ref)
+    # softmax_max is [T, N, 8] either way; the default memory order is NTD (§6.1).
+    expected = stats_of(row_max.T) if softmax_layout == "TND" else stats_of(row_max).reshape(9, n, 8)
+    close(smax, expected)
+    assert ssum.shape == (9, n, 8) and (seed, offset, numels) == (0, 0, n * (2 * 3 + 3 * 3 + 4 * 6))
+    weight = torch.randn(ref.shape)
+    for actual, expected in zip(
+        grads_of((out * weight).sum(), q, k, v), grads_of((ref * weight).sum(), q, k, v), strict=True
+    ):
+        close(actual, expected)
+
+
+def test_fusion_attention_tnd_without_mask_and_disabled_batches(npu: types.ModuleType) -> None:
+    """No mask: full attention inside each sequence. A repeated offset is an empty batch; trailing zeros
+    disable batches (numels follows the C++ adapter's formula over the lists as given)."""
+    q, k, v = (torch.randn(7, 2, 8) for _ in range(3))
+    out, *_, numels = npu.npu_fusion_attention(
+        q, k, v, 2, "TND", sparse_mode=3, actual_seq_qlen=[3, 3, 7, 0], actual_seq_kvlen=[3, 3, 7, 0]
+    )
+    for lo, hi in ((0, 3), (3, 7)):
+        bnsd = [t[lo:hi].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        close(out[lo:hi], ref_attention(*bnsd, 1.0)[0][0].transpose(0, 1))
+    assert numels == 2 * (3 * 3 + 0 + 4 * 4 + 7 * 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fusion_attention_half_dtypes(npu: types.ModuleType, dtype: torch.dtype) -> None:
+    """fp32 softmax inside; out and grads in the input dtype, statistics fp32."""
+    q, k, v = leaf(1, 8, 2, 16, dtype=dtype), leaf(1, 8, 1, 16, dtype=dtype), leaf(1, 8, 1, 16, dtype=dtype)
+    out, smax, ssum, sout, *_ = npu.npu_fusion_attention(
+        q, k, v, 2, "BSND", atten_mask=TRIU_2048, sparse_mode=2, scale=0.25
+    )
+    assert smax.dtype == ssum.dtype == torch.float32 and sout.dtype == dtype
+    fq, fk, fv = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    ref = ref_attention(fq, fk, fv, 0.25, torch.ones(8, 8, dtype=torch.bool).triu(1))[0]
+    close(out, ref.transpose(1, 2).to(dtype))
+    weight = torch.randn(ref.shape)
+    for actual, expected in zip(
+        grads_of((out.float() * weight.transpose(1, 2)).sum(), q, k, v),
+        grads_of((ref * weight).sum(), fq, fk, fv),
+        strict=True,
+    ):
+        close(actual, expected.transpose(1, 2).to(dtype))
+
+
+def test_fusion_attention_grad_reads_the_saved_statistics(npu: types.ModuleType) -> None:
+    """As on the device, P is rebuilt from softmax_max/softmax_sum (ring attention passes merged ones)."""
+    q, k, v = leaf(1, 2, 5, 8), leaf(1, 2, 5, 8), leaf(1, 2, 5, 8)
+    out, smax, ssum, sout, *_, numels = npu.npu_fusion_attention(q, k, v, 2, "BNSD", scale=0.5)
+    dy = torch.randn(out.shape)
+    saved = {"softmax_sum": ssum, "softmax_in": sout, "attention_in": out.detach(), "scale_value": 0.5}
+    dq, dk, dv, dpse, dsink = npu.npu_fusion_attention_grad(
+        q, k, v, dy, 2, "BNSD", softmax_max=smax, numels=numels, **saved
+    )
+    assert dpse is None and dsink is None
+    ref = ref_attention(q, k, v, 0.5)[0]
+    for actual, expected in zip((dq, dk, dv), grads_of((ref * dy).sum(), q, k, v), strict=True):
+        close(actual, expected)
+    doubled = npu.npu_fusion_attention_grad(q, k, v, dy, 2, "BNSD", softmax_max=smax - math.log(2), **saved)
+    close(doubled[2], 2 * dv)  # a max lower by log 2 doubles P, hence dv
+    with pytest.raises(NotImplementedError, match="softmax_max"):
+        npu.npu_fusion_attention_grad(q, k, v, dy, 2, "BNSD", attention_in=out)
+    assert npu.calls == {"npu_fusion_attention": 1, "npu_fusion_attention_grad": 3}
+
+
+def fa_call(
+    npu: types.ModuleType,
+    layout: str = "BSND",
+    q: tuple | torch.Tensor = (1, 4, 2, 16),
+    k: tuple | torch.Tensor | None = None,
+    v: tuple | torch.Tensor | None = None,
+    head_num: int = 2,
+    **kwargs,
+) -> tuple:
+    """npu_fusion_attention on random tensors of the given shapes (or the given tensors)."""
+    k = q if k is None else k
+    v = k if v is None else v
+    q, k, v = (torch.randn(t) if isinstance(t, tuple) else t for t in (q, k, v))
+    return npu.npu_fusion_attention(q, k, v, head_num, layout, **kwargs)
+
+
+TND = {"layout": "TND", "q": (6, 2, 16), "actual_seq_qlen": [6], "actual_seq_kvlen": [6]}
+FA_LIMITS = {
+    "layout": ({"layout": "NSD"}, "input_layout should be BSH/SBH/BNSD/BSND/TND"),
+    "rank": ({"q": (4, 2, 16)}, "needs a 4-D query"),
+    "keep_prob_0": ({"keep_prob": 0.0}, r"keep_prob value must be in range of \(0, 1\]"),
+    "keep_prob_big": ({"keep_prob": 1.5}, r"keep_prob value must be in range of \(0, 1\]"),
+    "sparse_mode": ({"sparse_mode": 7}, r"range of \[0,6\]"),
+    "tnd_sparse_mode": ({**TND, "sparse_mode": 5}, r"range of \[0,5\) or \(5,8\]"),
+    "head_num": ({"head_num": 3}, "query has 2 heads but head_num=3"),
+    "heads_max": ({"q": (1, 4, 257, 8), "head_num": 257}, r"head_num=257 must be in 1\.\.256"),
+    "d_max": ({"q": (1, 2, 1, 769), "head_num": 1}, "head dim D=769"),
+    "dv_gt_d": ({"v": (1, 4, 2, 32)}, "value head dim 32"),
+    "dk_ne_dq": ({"k": (1, 4, 2, 8)}, "head dims differ"),
+    "gqa": ({"q": (1, 4, 3, 16), "k": (1, 4, 2, 16), "head_num": 3}, "3 query heads are not a multiple of 2"),
+    "kv_shapes": ({"k": (1, 4, 2, 16), "v": (1, 5, 2, 16)}, "must match outside the last dim"),
+    "dtypes": ({"k": torch.randn(1, 4, 2, 16).half()}, "must share one dtype"),
+    "int_dtype": ({"q": torch.ones(1, 4, 2, 16, dtype=torch.int32)}, "unsupported dtype"),
+    "bsh_heads": ({"layout": "BSH", "q": (1, 4, 30), "head_num": 4}, "not head_num=4 heads"),
+    "mask_dtype": ({"atten_mask": torch.zeros(4, 4)}, "bool or uint8"),
+    "mask_shape": ({"atten_mask": torch.zeros(2, 4, 4, dtype=torch.bool)}, "BNSS, B1SS, 11SS or SS"),
+    "mode3_mask": ({"atten_mask": torch.ones(4, 4).triu(1).bool(), "sparse_mode": 3}, "2048x2048"),
+    "mode3_sq_gt_skv": (
+        {"k": (1, 2, 2, 16), "atten_mask": TRIU_2048, "sparse_mode": 3},
+        "sparse_mode=3 requires Sq <= Skv",
+    ),
+    "tnd_lists": ({**TND, "actual_seq_kvlen": None}, "must be the same and cannot be empty"),
+    "tnd_lengths": ({**TND, "actual_seq_kvlen": [3, 6]}, "must be the same and cannot be empty"),
+    "tnd_cumulative": ({**TND, "actual_seq_qlen": [4, 2], "actual_seq_kvlen": [3, 6]}, "cumulative"),
+    "tnd_past_t": ({**TND, "actual_seq_qlen": [7]}, "past T"),
+    "pse_dtype": ({"pse": torch.zeros(1, 2, 4, 4, dtype=torch.float16)}, "pse dtype"),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "error"), FA_LIMITS.values(), ids=FA_LIMITS.keys())
+def test_fusion_attention_limits_raise(npu: types.ModuleType, kwargs: dict, error: str) -> None:
+    with pytest.raises(RuntimeError, match=error) as raised:
+        fa_call(npu, **kwargs)
+    assert raised.type is RuntimeError
+
+
+FA_UNMODELLED = {
+    "dropout": {"keep_prob": 0.9},
+    "padding_mask": {"padding_mask": torch.zeros(1, 1, 4, 4, dtype=torch.bool)},
+    "prefix": {"prefix": [1]},
+    "sink": {"sink": torch.zeros(2)},
+    "dropout_mask": {"dropout_mask": torch.zeros(8, dtype=torch.uint8)},
+    "prefix_mode": {"sparse_mode": 5},
+    "tnd_full_mask": {**TND, "atten_mask": torch.zeros(6, 6, dtype=torch.bool)},
+    "tnd_pse": {**TND, "pse": torch.zeros(1, 2, 6, 6)},
+    "pse_shape": {"pse": torch.zeros(1, 1, 4, 4)},
+    "other_compressed_mask": {"atten_mask": ~TRIU_2048, "sparse_mode": 2},
+    "softmax_layout": {"softmax_layout": "TND"},
+    "varlen_bsnd": {"actual_seq_qlen": [4], "actual_seq_kvlen": [4]},
+    "tnd_short_lists": {**TND, "actual_seq_qlen": [5], "actual_seq_kvlen": [5]},
+    "inner_precise": {"inner_precise": 3},
+}
+
+
+@pytest.mark.parametrize("kwargs", FA_UNMODELLED.values(), ids=FA_UNMODELLED.keys())
+def test_fusion_attention_unmodelled_paths_refuse(npu: types.ModuleType, kwargs: dict) -> None:
+    with pytest.raises(NotImplementedError, match="torch_npu stand-in"):
+        fa_call(npu, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ OPS: tuple[str, ...] = (
     "npu_rotary_mul",
     "npu_rotary_mul_backward",
     "npu_apply_rotary_pos_emb",
+    "npu_fusion_attention",
+    "npu_fusion_attention_grad",
     "npu_grouped_matmul",
     "npu_moe_gating_top_k_softmax",
     "npu_moe_compute_expert_tokens",

@@ -39,6 +39,25 @@ def fake_module(**attributes):
     return module
 
 
+def instance(stock, **attributes):
+    """An object of the class that defines the method ``stock``, carrying exactly ``attributes``.
+
+    The stock forward may call other methods of its class (the zero-centred RMSNorm calls
+    ``self._norm``): they are the real ones. ``__init__`` is not run (it would draw from the
+    global RNG and needs a config). A bare nn.Module when ``stock`` is not a method of a
+    module-level nn.Module class.
+    """
+    owner_name = getattr(stock, "__qualname__", "").rpartition(".")[0]
+    owner = getattr(stock, "__globals__", {}).get(owner_name)
+    if not (isinstance(owner, type) and issubclass(owner, torch.nn.Module)):
+        return fake_module(**attributes)
+    module = owner.__new__(owner)
+    torch.nn.Module.__init__(module)
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    return module
+
+
 def parameters(stock):
     """The parameter names of a function (or callable module), or None if it has no signature."""
     try:
@@ -82,3 +101,20 @@ def agree(run_stock, run_candidate):
 
 def first_disagreement(*reasons):
     return next((r for r in reasons if r is not None), None)
+
+
+def agree_strict(run_stock, run_candidate):
+    """Like ``agree``, but the stock code must run on the probe input.
+
+    For probes whose input is the one the stock code is built for (a whole MoE block on a
+    fake module): if the stock code fails there, the fake module is wrong, and calling
+    that agreement would approve a kernel that was never compared.
+    """
+    try:
+        with torch.no_grad():
+            run_stock()
+    except AttributeError:
+        pass  # agree() reports it: the stock code reads state the kernel does not provide
+    except Exception as exc:
+        return f"the stock code fails on the probe input ({type(exc).__name__}: {exc})"
+    return agree(run_stock, run_candidate)

@@ -1,13 +1,20 @@
 """Gated SiLU MLP on ``npu_swiglu``.
 
-down_proj(act_fn(gate_proj(x)) * up_proj(x)) with a SiLU act_fn. npu_swiglu gates the
-FIRST half of its input, so gate goes first in the concatenation. The activation is chosen
-per instance by the config, so an instance whose act_fn is not SiLU runs the stock code.
+npu_swiglu(x) = silu(first half of x) * second half, fp32 inside. Two layouts of the same math:
+
+- separate projections: down_proj(act_fn(gate_proj(x)) * up_proj(x)); gate goes first in the
+  concatenation. The Linears may carry a bias (the Qwen2.5-VL vision MLP): it is inside them.
+- one fused projection (GLM-4 ``Glm4MLP``): gate, up = gate_up_proj(x).chunk(2);
+  down_proj(up * activation_fn(gate)). The projection output already is [gate, up], so it goes
+  to npu_swiglu as it is, with no concatenation.
+
+The activation is chosen per instance by the config, so an instance whose activation is not
+SiLU runs the stock code.
 """
 
 import torch
 
-from ._probe import agree, fake_module, generator, linear, randn
+from ._probe import agree_strict, generator, instance, linear, parameters, randn
 from .base import Kernel, Variant
 
 
@@ -22,6 +29,16 @@ def _silu_types():
     return frozenset(types_)
 
 
+def _with_stock_names(forward, stock):
+    """``forward`` with the parameter names of ``stock`` (the Qwen2.5-VL vision MLP calls its
+    input ``hidden_state``, the others ``x``), so that keyword calls keep working."""
+    names = parameters(stock)
+    code = forward.__code__
+    if names is not None and len(names) == code.co_argcount:
+        forward.__code__ = code.replace(co_varnames=names + code.co_varnames[code.co_argcount :])
+    return forward
+
+
 def _build_separate(stock, npu):
     silu_types = _silu_types()
     cat = torch.cat
@@ -31,19 +48,50 @@ def _build_separate(stock, npu):
             return stock(self, x)
         return self.down_proj(npu.npu_swiglu(cat((self.gate_proj(x), self.up_proj(x)), dim=-1), dim=-1))
 
-    return forward
+    return _with_stock_names(forward, stock)
 
 
 def _probe_separate(stock, candidate):
     gen = generator()
-    mlp = fake_module(
-        gate_proj=linear(gen, 16, 24),
-        up_proj=linear(gen, 16, 24),
-        down_proj=linear(gen, 24, 16),
+    mlp = instance(
+        stock,
+        gate_proj=linear(gen, 16, 24, bias=True),
+        up_proj=linear(gen, 16, 24, bias=True),
+        down_proj=linear(gen, 24, 16, bias=True),
         act_fn=torch.nn.SiLU(),
     )
     x = randn(gen, 2, 3, 16)
-    return agree(lambda: stock(mlp, x), lambda: candidate(mlp, x))
+    return agree_strict(lambda: stock(mlp, x), lambda: candidate(mlp, x))
 
 
-SWIGLU = Kernel("swiglu", ("npu_swiglu",), (Variant("gate-up", _build_separate, _probe_separate),))
+def _build_fused(stock, npu):
+    silu_types = _silu_types()
+
+    def forward(self, hidden_states):
+        if type(self.activation_fn) not in silu_types:
+            return stock(self, hidden_states)
+        return self.down_proj(npu.npu_swiglu(self.gate_up_proj(hidden_states), dim=-1))
+
+    return _with_stock_names(forward, stock)
+
+
+def _probe_fused(stock, candidate):
+    gen = generator()
+    mlp = instance(
+        stock,
+        gate_up_proj=linear(gen, 16, 48),
+        down_proj=linear(gen, 24, 16),
+        activation_fn=torch.nn.SiLU(),
+    )
+    x = randn(gen, 2, 3, 16)
+    return agree_strict(lambda: stock(mlp, x), lambda: candidate(mlp, x))
+
+
+SWIGLU = Kernel(
+    "swiglu",
+    ("npu_swiglu",),
+    (
+        Variant("gate-up", _build_separate, _probe_separate),
+        Variant("fused-gate-up", _build_fused, _probe_fused),
+    ),
+)

@@ -1,13 +1,23 @@
 """RMSNorm kernels on ``npu_rms_norm``.
 
-Llama style: y = weight * (x * rsqrt(mean(x^2) + eps)).to(input dtype), eps in
-``variance_epsilon``. npu_rms_norm computes in fp32 and rounds once at the end, so in bf16
-the result may differ from stock in the last bit (the parity tests allow for that).
+Two formula families, told apart by probing, never by class name:
+
+- llama style: y = weight * (x * rsqrt(mean(x^2) + eps)).to(input dtype), eps in
+  ``variance_epsilon``. npu_rms_norm computes in fp32 and rounds once at the end, so in bf16
+  the result may differ from stock in the last bit (the parity tests allow for that).
+- zero-centred (Gemma3, Qwen3-Next, Qwen3.5): y = (x * rsqrt(mean(x^2) + eps) * (1 + weight)),
+  all in fp32, cast to the input dtype at the end; eps in ``eps``, forward parameter ``x``.
+  That is npu_rms_norm with gamma = 1 + weight in fp32, in the same order, so it matches stock
+  to fp32 rounding in every dtype. (npu_gemma_rms_norm computes the same forward but has no
+  autograd kernel: the weights would silently get no gradient.)
+
+The gated norm of the linear-attention layers (``*RMSNormGated.forward(hidden_states, gate)``)
+is the llama-style norm times silu(gate) in fp32, cast to the input dtype.
 """
 
 import torch
 
-from ._probe import agree, fake_module, generator, randn
+from ._probe import agree_strict, generator, instance, parameters, randn
 from .base import Kernel, Variant
 
 
@@ -30,9 +40,69 @@ def _build_llama(stock, npu):
 
 def _probe_llama(stock, candidate):
     gen = generator()
-    norm = fake_module(weight=torch.nn.Parameter(randn(gen, 16)), variance_epsilon=1e-6)
+    norm = instance(stock, weight=torch.nn.Parameter(randn(gen, 16)), variance_epsilon=1e-6)
     x = randn(gen, 2, 3, 16)
-    return agree(lambda: stock(norm, x), lambda: candidate(norm, x))
+    return agree_strict(lambda: stock(norm, x), lambda: candidate(norm, x))
 
 
-RMS_NORM = Kernel("rms_norm", ("npu_rms_norm",), (Variant("llama", _build_llama, _probe_llama),))
+def _build_zero_centred(stock, npu):
+    def forward(self, x):
+        # gamma is fp32 whatever the weight dtype: (x dtype, fp32) is a supported pair for every
+        # float x, and the product is rounded once, after the multiply, as stock does.
+        return npu.npu_rms_norm(x, 1.0 + self.weight.float(), epsilon=self.eps)[0]
+
+    return forward
+
+
+def _probe_zero_centred(stock, candidate):
+    gen = generator()
+    # The real class, so that the stock forward finds its own ``_norm``; a random weight, as
+    # (1 + weight) and weight only agree where weight is zero.
+    norm = instance(stock, weight=torch.nn.Parameter(randn(gen, 16)), eps=1e-6)
+    x = randn(gen, 2, 3, 16)
+    return agree_strict(lambda: stock(norm, x), lambda: candidate(norm, x))
+
+
+RMS_NORM = Kernel(
+    "rms_norm",
+    ("npu_rms_norm",),
+    (
+        Variant("llama", _build_llama, _probe_llama),
+        Variant("zero-centred", _build_zero_centred, _probe_zero_centred),
+    ),
+)
+
+
+def _build_gated(stock, npu):
+    float32 = torch.float32
+    promote = torch.promote_types
+    silu = torch.nn.functional.silu
+
+    def forward(self, hidden_states, gate):
+        # 5.x reads the activation from the instance; 4.57 has no attribute and always uses silu.
+        if getattr(self, "activation", "silu") != "silu":
+            return stock(self, hidden_states, gate)
+        input_dtype = hidden_states.dtype
+        weight = self.weight
+        if weight.dtype != input_dtype and weight.dtype != float32:  # not a supported dtype pair
+            dtype = promote(input_dtype, weight.dtype)
+            hidden_states, weight = hidden_states.to(dtype), weight.to(dtype)
+        normed = npu.npu_rms_norm(hidden_states, weight, epsilon=self.variance_epsilon)[0]
+        return (normed * silu(gate.to(float32))).to(input_dtype)
+
+    forward.__defaults__ = getattr(stock, "__defaults__", None)  # 4.57 has gate=None, 5.x requires it
+    return forward
+
+
+def _probe_gated(stock, candidate):
+    params = parameters(stock)
+    if params != ("self", "hidden_states", "gate"):
+        return f"the signature {params} is not (self, hidden_states, gate)"
+    gen = generator()
+    weight = torch.nn.Parameter(randn(gen, 16))
+    norm = instance(stock, weight=weight, variance_epsilon=1e-6, activation="silu")
+    x, gate = randn(gen, 2, 3, 16), randn(gen, 2, 3, 16)
+    return agree_strict(lambda: stock(norm, x, gate), lambda: candidate(norm, x, gate))
+
+
+GATED_RMS_NORM = Kernel("gated_rms_norm", ("npu_rms_norm",), (Variant("silu", _build_gated, _probe_gated),))

@@ -1,0 +1,378 @@
+"""Routed experts on ``npu_grouped_matmul``.
+
+Every variant runs one computation, ``_routed_experts``: sort the (token, expert) pairs by
+expert with ``npu_moe_token_permute``, count the rows of each expert (``histc``, as
+transformers' grouped_mm path does: no device-to-host sync), run gate_up and down as two
+grouped matmuls with ``npu_swiglu`` between them (the FIRST half is gated, as in
+``gate, up = chunk(2)``), then unsort and sum the top-k rows weighted by the routing
+weights with ``npu_moe_token_unpermute``. Permute and unpermute have a real backward on the
+device; ``npu_moe_init_routing_v2``/``npu_moe_finalize_routing`` have none and are not used.
+The activation comes from the config, so every variant runs the stock code for an instance
+whose experts' ``act_fn`` is not SiLU.
+
+``npu_grouped_matmul`` has no autograd at all (its gradients silently vanish), so it runs
+inside ``_GroupedMatmul``, whose backward is grouped matmuls too: dx = dy @ W[e]^T (group
+type 0) and dW[e] = x[rows of e]^T @ dy[rows of e] (group type 2, which splits the
+contraction axis and gives one [K, N] block per expert, a zero block for an expert with
+no rows). Its weight is gmm's [E, K, N]; the HF [E, N, K] layouts are passed as
+transposed views, which the op takes without a copy.
+
+The weighted sum runs in the promoted dtype of the expert output and the routing weights,
+then is cast to the input dtype, as stock does (DeepSeek-V3/GLM-4-MoE route in fp32); the
+tokens are cast to that dtype before unpermute, which wants probs and tokens in one dtype.
+
+Variants (the probe picks the one whose stock math it reproduces):
+
+- ``experts``: the 5.x fused ``*Experts.forward(hidden_states, top_k_index,
+  top_k_weights)``, ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``.
+- ``experts-kn``: Qwen3-VL-MoE 4.57 ``Qwen3VLMoeTextExperts.forward(hidden_states,
+  routing_weights [T, E] dense, router_indices)``, ``gate_up_proj [E, H, 2I]``,
+  ``down_proj [E, I, H]`` (already gmm's layout); its training loop and its eval-mode dense
+  bmm are the same math.
+- ``sparse-block`` / ``sparse-block-shared``: the 4.x ``*SparseMoeBlock.forward`` with a
+  ModuleList of experts (Qwen3-MoE; Qwen2-MoE and Qwen3-Next add a shared expert under a
+  sigmoid gate). The router (softmax in fp32, top-k, optional renormalisation, cast to the
+  input dtype) and the shared expert run as in stock, and the ``(hidden, router_logits)``
+  return is kept.
+- ``moe-method``: the 4.x ``DeepseekV3MoE.moe`` / ``Glm4MoeMoE.moe(hidden_states,
+  topk_indices, topk_weights)`` over a ModuleList.
+
+4.x ModuleList weights are stacked into one [E', 2I, H] and one [E', H, I] tensor per
+forward, of the E' experts that have rows: a copy of their weights per call, from which
+autograd hands each expert its slice of the gradient, while an expert without rows gets
+no gradient (None), as in the stock loop, so an optimizer skips it there too. Finding
+them costs one host sync per layer, which the stock loop pays as well. The op's list
+form would avoid the copy but takes at most 128 weights (DeepSeek-V3 has 256 routed
+experts, Qwen3-Next 512), and a cached stack would go stale after an optimizer step.
+
+The experts-implementation registry of 5.x: the class attribute ``forward`` of a fused
+experts class is ``use_experts_implementation``'s wrapper, which looks up
+``config._experts_implementation`` ("grouped_mm" by default) at every call. Replacing it
+in place replaces the dispatch: a patched class runs this kernel whatever implementation
+is configured (they all compute the same thing), and ``disable()`` puts the wrapper back.
+We do not register an implementation instead: that would need a config change in every
+model, or taking over the global "grouped_mm" entry for models we do not patch, outside
+the per-model status and rollback. Where this kernel does not apply (per instance: a
+non-SiLU ``act_fn``, or decorator flags other than gated, concatenated, untransposed,
+bias-free, no post-expert norm, no expert parallelism), the wrapper runs, so the
+configured implementation still decides. The probe runs the wrapper with the "eager"
+implementation, i.e. the class's own expert loop; the parity tests run the default.
+"""
+
+import types
+
+import torch
+
+from ._probe import agree_strict, first_disagreement, generator, instance, linear, parameters, randn
+from .base import Kernel, Variant
+from .mlp import _silu_types
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """rows of expert e of ``x`` @ ``weight[e]`` ([E, K, N]); ``counts`` int64 [E] rows per expert."""
+
+    @staticmethod
+    def forward(ctx, npu, x, weight, counts):
+        ctx.npu = npu
+        ctx.save_for_backward(x, weight, counts)
+        return npu.npu_grouped_matmul(
+            [x], [weight], group_list=counts, group_type=0, split_item=3, group_list_type=1
+        )[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        npu = ctx.npu
+        x, weight, counts = ctx.saved_tensors
+        dx = dweight = None
+        if ctx.needs_input_grad[1]:
+            dx = npu.npu_grouped_matmul(
+                [dy],
+                [weight.transpose(1, 2)],
+                group_list=counts,
+                group_type=0,
+                split_item=3,
+                group_list_type=1,
+            )[0]
+        if ctx.needs_input_grad[2]:
+            dweight = npu.npu_grouped_matmul(
+                [x.t()], [dy], group_list=counts, group_type=2, split_item=3, group_list_type=1
+            )[0]
+        return None, dx, dweight, None
+
+
+def _counts(top_k_index, num_experts):
+    """int64 [E]: the rows of each expert. histc, as transformers' grouped_mm path: no host sync."""
+    return torch.histc(top_k_index.float(), bins=num_experts, min=0, max=num_experts).to(torch.int64)
+
+
+def _routed_experts(npu):
+    """fn(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up [E, H, 2I],
+    down [E, I, H], counts [E]) -> [T, H] in the input dtype: each token's weighted experts."""
+    grouped_matmul = _GroupedMatmul.apply
+    promote = torch.promote_types
+
+    def routed_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, counts):
+        permuted, sorted_indices = npu.npu_moe_token_permute(hidden_states, top_k_index)
+        up = npu.npu_swiglu(grouped_matmul(npu, permuted, gate_up, counts), dim=-1)
+        out = grouped_matmul(npu, up, down, counts)
+        dtype = promote(out.dtype, top_k_weights.dtype)
+        combined = npu.npu_moe_token_unpermute(out.to(dtype), sorted_indices, top_k_weights.to(dtype))
+        return combined.to(hidden_states.dtype)
+
+    return routed_experts
+
+
+def _stacked(experts, top_k_index):
+    """The experts of a ModuleList that have rows, as gmm weights [E', H, 2I], [E', I, H] and counts.
+
+    Only those: as in the stock loop, an expert without rows gets no gradient (None, which
+    optimizers skip, not zeros). Knowing which costs one host sync, as the stock loop does.
+    """
+    counts = _counts(top_k_index, len(experts))
+    hit = counts.nonzero().flatten().tolist()
+    gate_up = torch.stack([w for i in hit for w in (experts[i].gate_proj.weight, experts[i].up_proj.weight)])
+    down = torch.stack([experts[i].down_proj.weight for i in hit])
+    pairs, intermediate, hidden = gate_up.shape
+    gate_up = gate_up.view(pairs // 2, 2 * intermediate, hidden).transpose(1, 2)
+    return gate_up, down.transpose(1, 2), counts[hit]
+
+
+# --- builds ---------------------------------------------------------------------------
+
+
+def _build_experts(stock, npu):
+    silu_types = _silu_types()
+    routed_experts = _routed_experts(npu)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if (
+            type(self.act_fn) not in silu_types
+            or not getattr(self, "has_gate", True)
+            or not getattr(self, "is_concatenated", True)
+            or getattr(self, "is_transposed", False)
+            or getattr(self, "has_bias", False)
+            or getattr(self, "has_post_expert_norm", False)
+            or getattr(self, "_is_expert_parallel", False)
+        ):
+            return stock(self, hidden_states, top_k_index, top_k_weights)
+        return routed_experts(
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            self.gate_up_proj.transpose(1, 2),
+            self.down_proj.transpose(1, 2),
+            _counts(top_k_index, self.gate_up_proj.shape[0]),
+        )
+
+    return forward
+
+
+def _build_experts_kn(stock, npu):
+    silu_types = _silu_types()
+    routed_experts = _routed_experts(npu)
+
+    def forward(self, hidden_states, routing_weights, router_indices):
+        if type(self.act_fn) not in silu_types:
+            return stock(self, hidden_states, routing_weights, router_indices)
+        batch_size = hidden_states.shape[0]
+        hidden_states = hidden_states.reshape(-1, self.hidden_size)
+        top_k_weights = routing_weights.gather(1, router_indices)
+        counts = _counts(router_indices, self.gate_up_proj.shape[0])
+        out = routed_experts(
+            hidden_states, router_indices, top_k_weights, self.gate_up_proj, self.down_proj, counts
+        )
+        return out.view(batch_size, -1, self.hidden_size)
+
+    return forward
+
+
+def _build_sparse_block(shared):
+    def build(stock, npu):
+        silu_types = _silu_types()
+        routed_experts = _routed_experts(npu)
+        softmax, sigmoid, topk, float32 = torch.softmax, torch.sigmoid, torch.topk, torch.float32
+
+        def forward(self, hidden_states):
+            experts = self.experts
+            if type(experts[0].act_fn) not in silu_types:
+                return stock(self, hidden_states)
+            batch_size, sequence_length, hidden_dim = hidden_states.shape
+            hidden_states = hidden_states.view(-1, hidden_dim)
+            router_logits = self.gate(hidden_states)
+            routing_weights = softmax(router_logits, dim=1, dtype=float32)
+            routing_weights, selected_experts = topk(routing_weights, self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+            routing_weights = routing_weights.to(hidden_states.dtype)
+            out = routed_experts(
+                hidden_states, selected_experts, routing_weights, *_stacked(experts, selected_experts)
+            )
+            if shared:
+                gate = sigmoid(self.shared_expert_gate(hidden_states))
+                out = out + gate * self.shared_expert(hidden_states)
+            return out.view(batch_size, sequence_length, hidden_dim), router_logits
+
+        return forward
+
+    return build
+
+
+def _build_moe_method(stock, npu):
+    silu_types = _silu_types()
+    routed_experts = _routed_experts(npu)
+
+    def moe(self, hidden_states, topk_indices, topk_weights):
+        experts = self.experts
+        if type(experts[0].act_fn) not in silu_types:
+            return stock(self, hidden_states, topk_indices, topk_weights)
+        return routed_experts(hidden_states, topk_indices, topk_weights, *_stacked(experts, topk_indices))
+
+    return moe
+
+
+# --- probes: the stock code on tiny fake modules, E=4 experts, top-2, H=16, I=8 --------
+
+_E, _K, _H, _I, _T = 4, 2, 16, 8, 6
+
+
+class _GatedMLP(torch.nn.Module):
+    """A 4.x per-expert (or shared-expert) module: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, gen, hidden, intermediate):
+        super().__init__()
+        self.gate_proj = linear(gen, hidden, intermediate)
+        self.up_proj = linear(gen, hidden, intermediate)
+        self.down_proj = linear(gen, intermediate, hidden)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _routing(gen):
+    """Distinct top-K experts per token, never the last one (an expert with no rows), and weights."""
+    index = torch.argsort(randn(gen, _T, _E - 1), dim=-1)[:, :_K]
+    return index, torch.softmax(randn(gen, _T, _K), dim=-1)
+
+
+def _param(gen, *shape):
+    return torch.nn.Parameter(randn(gen, *shape) / shape[-1] ** 0.5)
+
+
+def _module(stock, **attributes):
+    """An instance of the stock method's class (5.x: the class of the function the experts
+    decorator wraps), carrying exactly ``attributes``; see ``_probe.instance``."""
+    return instance(getattr(stock, "__wrapped__", stock), **attributes)
+
+
+def _signature(stock, expected):
+    params = parameters(stock)
+    if params != expected:
+        return f"the signature {params} is not {expected}"
+    return None
+
+
+def _probe_experts(stock, candidate):
+    wrong = _signature(stock, ("self", "hidden_states", "top_k_index", "top_k_weights"))
+    if wrong:
+        return wrong
+    gen = generator()
+    experts = _module(
+        stock,
+        num_experts=_E,
+        hidden_dim=_H,
+        intermediate_dim=_I,
+        gate_up_proj=_param(gen, _E, 2 * _I, _H),
+        down_proj=_param(gen, _E, _H, _I),
+        act_fn=torch.nn.SiLU(),
+        # What use_experts_implementation sets; "eager" dispatches to the class's own loop.
+        config=types.SimpleNamespace(_experts_implementation="eager"),
+        has_gate=True,
+        has_bias=False,
+        is_transposed=False,
+        is_concatenated=True,
+        has_post_expert_norm=False,
+        _is_expert_parallel=False,
+    )
+    x = randn(gen, _T, _H)
+    index, weights = _routing(gen)
+    return agree_strict(
+        lambda: stock(experts, x, index, weights), lambda: candidate(experts, x, index, weights)
+    )
+
+
+def _probe_experts_kn(stock, candidate):
+    wrong = _signature(stock, ("self", "hidden_states", "routing_weights", "router_indices"))
+    if wrong:
+        return wrong
+    gen = generator()
+    experts = _module(
+        stock,
+        num_experts=_E,
+        hidden_size=_H,
+        intermediate_size=_I,
+        expert_dim=_I,
+        gate_up_proj=_param(gen, _E, _H, 2 * _I),
+        down_proj=_param(gen, _E, _I, _H),
+        act_fn=torch.nn.SiLU(),
+    )
+    x = randn(gen, 2, _T // 2, _H)
+    index, weights = _routing(gen)
+    dense = torch.zeros(_T, _E).scatter(1, index, weights)
+    reasons = []
+    for training in (True, False):  # the training loop and the eval-mode dense bmm
+        experts.train(training)
+        reasons.append(
+            agree_strict(lambda: stock(experts, x, dense, index), lambda: candidate(experts, x, dense, index))
+        )
+    return first_disagreement(*reasons)
+
+
+def _probe_sparse_block(shared):
+    def probe(stock, candidate):
+        wrong = _signature(stock, ("self", "hidden_states"))
+        if wrong:
+            return wrong
+        gen = generator()
+        block = _module(
+            stock,
+            num_experts=_E,
+            top_k=_K,
+            gate=linear(gen, _H, _E),
+            experts=torch.nn.ModuleList([_GatedMLP(gen, _H, _I) for _ in range(_E)]),
+        )
+        if shared:
+            block.shared_expert = _GatedMLP(gen, _H, 2 * _I)
+            block.shared_expert_gate = linear(gen, _H, 1)
+        x = randn(gen, 2, _T // 2, _H)
+        reasons = []
+        for norm_topk_prob in (True, False):
+            block.norm_topk_prob = norm_topk_prob
+            reasons.append(agree_strict(lambda: stock(block, x), lambda: candidate(block, x)))
+        return first_disagreement(*reasons)
+
+    return probe
+
+
+def _probe_moe_method(stock, candidate):
+    wrong = _signature(stock, ("self", "hidden_states", "topk_indices", "topk_weights"))
+    if wrong:
+        return wrong
+    gen = generator()
+    moe = _module(stock, experts=torch.nn.ModuleList([_GatedMLP(gen, _H, _I) for _ in range(_E)]))
+    x = randn(gen, _T, _H)
+    index, weights = _routing(gen)
+    return agree_strict(lambda: stock(moe, x, index, weights), lambda: candidate(moe, x, index, weights))
+
+
+MOE = Kernel(
+    "moe",
+    ("npu_grouped_matmul", "npu_swiglu", "npu_moe_token_permute", "npu_moe_token_unpermute"),
+    (
+        Variant("experts", _build_experts, _probe_experts),
+        Variant("experts-kn", _build_experts_kn, _probe_experts_kn),
+        Variant("sparse-block", _build_sparse_block(shared=False), _probe_sparse_block(shared=False)),
+        Variant("sparse-block-shared", _build_sparse_block(shared=True), _probe_sparse_block(shared=True)),
+        Variant("moe-method", _build_moe_method, _probe_moe_method),
+    ),
+)

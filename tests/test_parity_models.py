@@ -1,0 +1,303 @@
+"""Parity of the norm, gated norm, MLP and rotary kernels on every model beyond the llama family.
+
+Each model present in the running transformers is checked stock vs patched (logits and every
+gradient, fp32 and bf16, exact op counts) with the kernels of this file enabled; the moe
+kernel has its own tests (test_parity_moe.py), so here the routed experts run stock. The
+vision-language models get an image, so that their vision towers' kernels run too. Then the
+import-hook path in a fresh interpreter, the target Qwen2.5-VL shares with qwen2 in 4.57, and
+the traps: a target whose math differs is left stock with the reason.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import npu_autopatch
+from npu_autopatch.kernels import KERNELS, Kernel, choose_variant
+from npu_autopatch.models import MODELS
+from npu_autopatch.testing.parity import (
+    TOLERANCE,
+    check_parity,
+    forward_backward,
+    model_batch,
+    relative_error,
+    tiny_config,
+    tiny_model,
+)
+
+from .conftest import run_python
+
+V4 = int(transformers.__version__.split(".")[0]) < 5
+KERNEL_NAMES = ("rms_norm", "gated_rms_norm", "swiglu", "rope")
+
+
+def calls(rms_norm=0, swiglu=0, rotary_mul=0):
+    """Fused-op calls in one forward; the backward calls each op's backward as often."""
+    counts = {"npu_rms_norm": rms_norm, "npu_swiglu": swiglu, "npu_rotary_mul": rotary_mul}
+    return {op: n for op, n in counts.items() if n}
+
+
+# Per tiny model (two layers unless said otherwise; see testing/parity.py), with the breakdown.
+# In 4.57 the routed experts of most MoE models are *MLP modules, so swiglu also runs once per
+# expert that the batch reaches in each sparse layer ("+ N experts").
+EXPECTED = {
+    # 4 norms per layer + final; one fused gate_up MLP per layer; q and k per layer (interleave)
+    "glm4": calls(rms_norm=9, swiglu=2, rotary_mul=4),
+    # 4 norms + q/k norm per layer + final; a GELU MLP (no swiglu target)
+    "gemma3": calls(rms_norm=13, rotary_mul=4),
+    # text 2 per layer + final, vision block 2 + merger 1; text MLPs + vision MLP; text + vision q, k
+    "qwen2_5_vl": calls(rms_norm=5 + 3, swiglu=2 + 1, rotary_mul=4 + 2),
+    # text 4 per layer + final (the vision tower uses LayerNorm and a GELU MLP); text + vision q, k
+    "qwen3_vl": calls(rms_norm=9, swiglu=2, rotary_mul=4 + 2),
+    # three layers, the first dense (its MLP is the only swiglu); the experts are fused in 4.57 too
+    "qwen3_vl_moe": calls(rms_norm=13, swiglu=1, rotary_mul=6 + 2),
+    # four layers, three Gated DeltaNet (+ its gated norm) and one full attention (+ q/k norm and
+    # rope); shared expert per layer
+    "qwen3_next": calls(rms_norm=8 + 1 + 2 + 3, swiglu=4 + (16 if V4 else 0), rotary_mul=2),
+    # the same layers as qwen3_next, a dense MLP per layer; text + vision q, k
+    "qwen3_5": calls(rms_norm=8 + 1 + 2 + 3, swiglu=4, rotary_mul=2 + 2),
+    "qwen3_5_moe": calls(rms_norm=8 + 1 + 2 + 3, swiglu=4, rotary_mul=2 + 2),
+    # shared expert per layer (+ 2 layers x 4 experts)
+    "qwen2_moe": calls(rms_norm=5, swiglu=2 + (8 if V4 else 0), rotary_mul=4),
+    # three layers, q/k norm, the first layer dense (+ 2 layers x 4 experts)
+    "qwen3_moe": calls(rms_norm=13, swiglu=1 + (8 if V4 else 0), rotary_mul=6),
+    # q_a/kv_a layernorms too; dense layer + shared experts (+ 8 experts); the default
+    # interleaved rope (apply_rotary_pos_emb_interleave)
+    "deepseek_v3": calls(rms_norm=9, swiglu=2 + (8 if V4 else 0), rotary_mul=4),
+    # dense layer + shared experts (+ 7 of 8 experts); partial rope
+    "glm4_moe": calls(rms_norm=5, swiglu=2 + (7 if V4 else 0), rotary_mul=4),
+}
+
+# Config variants that take another target: DeepSeek-V3 without interleaved rope uses the
+# standard apply_rotary_pos_emb.
+CASES = [(model, {}) for model in EXPECTED] + [("deepseek_v3", {"rope_interleave": False})]
+
+
+def present(model_type):
+    """Whether the running transformers has this model (without importing its modeling module)."""
+    try:
+        return importlib.util.find_spec(MODELS[model_type].module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def expected_kernels(model_type):
+    return tuple(k for k in MODELS[model_type].kernels if k in KERNEL_NAMES)
+
+
+def assert_parity(report, model_type, ops=None):
+    """Applied with every kernel and every target of this file, exact op counts, within tolerance."""
+    ops = report.ops_called if ops is None else ops
+    assert report.state == "applied", report.reason
+    assert report.kernels == expected_kernels(model_type)
+    assert report.reason is None, report.reason  # a target refused by its probe would be named here
+    for op, count in EXPECTED[model_type].items():
+        assert ops.get(op) == count, (op, ops)
+        assert ops.get(op + "_backward") == count, (op + "_backward", ops)
+    assert not report.missing_grads, f"no gradient reached {report.missing_grads}"
+    assert not report.over_tolerance, (report.over_tolerance, report.logits_error, report.grad_error)
+    assert report.passed
+
+
+def case_id(case):
+    model, overrides = case
+    return model + "".join(f"-{k}={v}" for k, v in overrides.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=map(case_id, CASES))
+def test_patched_model_matches_stock(case, dtype, npu_stand_in):
+    model_type, overrides = case
+    if not present(model_type):
+        pytest.skip(f"{model_type} is not in transformers {transformers.__version__}")
+    report = check_parity(model_type, dtype, npu=npu_stand_in, kernels=KERNEL_NAMES, **overrides)
+    assert_parity(report, model_type)
+
+
+LAZY_SCRIPT = """
+import json, torch
+from npu_autopatch.testing import stand_in
+from npu_autopatch.testing.parity import check_parity
+reports = {{}}
+with stand_in() as npu:
+    for model in {models!r}:
+        report = check_parity(model, torch.float32, npu=npu, lazy=True, kernels={kernels!r})
+        reports[model] = {{**vars(report), "passed": report.passed}}
+print(json.dumps(reports))
+"""
+
+
+def test_patched_by_the_import_hook_matches_stock():
+    models = [model for model in EXPECTED if present(model)]
+    # The child imports this very npu_autopatch, installed or not.
+    source = str(Path(npu_autopatch.__file__).resolve().parents[1])
+    child = run_python(
+        LAZY_SCRIPT.format(models=models, kernels=KERNEL_NAMES), timeout=300, PYTHONPATH=source
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    reports = json.loads(child.stdout.splitlines()[-1])
+    assert sorted(reports) == sorted(models)
+    for model, report in reports.items():
+        assert report["state"] == "applied", (model, report["reason"])
+        assert tuple(report["kernels"]) == expected_kernels(model)
+        assert report["reason"] is None, report["reason"]
+        for op, count in EXPECTED[model].items():
+            assert report["ops_called"].get(op) == count, (model, op, report["ops_called"])
+            assert report["ops_called"].get(op + "_backward") == count, (model, op)
+        assert not report["missing_grads"], (model, report["missing_grads"])
+        assert report["passed"], (model, report)
+
+
+def stock_targets(*targets):
+    return [
+        owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr) for owner, attr in targets
+    ]
+
+
+@pytest.mark.skipif(not V4, reason="from 5.2 Qwen2.5-VL has its own Qwen2_5_VLRMSNorm: nothing is shared")
+def test_qwen2_5_vl_and_qwen2_share_one_norm_target_and_stay_correct(npu_stand_in):
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as vl
+
+    assert vl.Qwen2RMSNorm is qwen2.Qwen2RMSNorm  # 4.57 imports it from modeling_qwen2
+    shared = [(qwen2.Qwen2RMSNorm, "forward")]
+    own = [(vl.Qwen2_5_VLMLP, "forward"), (vl, "apply_multimodal_rotary_pos_emb")]
+    originals = stock_targets(*shared, *own)
+    model = tiny_model("qwen2_5_vl")
+    input_ids, labels, inputs = model_batch(model)
+    stock = forward_backward(model, input_ids, labels, **inputs)
+
+    def check(state):
+        before = npu_stand_in.calls["npu_rms_norm"]
+        logits, grads = forward_backward(model, input_ids, labels, **inputs)
+        assert npu_stand_in.calls["npu_rms_norm"] - before == EXPECTED["qwen2_5_vl"]["npu_rms_norm"], state
+        assert relative_error(logits, stock[0]) <= TOLERANCE[torch.float32], state
+        for name, grad in stock[1].items():
+            if grad is not None:
+                assert relative_error(grads[name], grad) <= TOLERANCE[torch.float32], (state, name)
+
+    # Both: the second model to be patched joins the first on the shared norm.
+    npu_autopatch.enable(models=["qwen2", "qwen2_5_vl"])
+    status = npu_autopatch.status()
+    assert status["qwen2"].state == status["qwen2_5_vl"].state == "applied"
+    assert stock_targets(*shared)[0] is not originals[0]
+    check("both")
+
+    # qwen2 excluded: Qwen2.5-VL still needs the norm, and has it.
+    npu_autopatch.enable(models=["qwen2", "qwen2_5_vl"], exclude=["qwen2"])
+    assert npu_autopatch.status()["qwen2"].state == "skipped"
+    assert npu_autopatch.status()["qwen2_5_vl"].state == "applied"
+    assert stock_targets(*shared)[0] is not originals[0]
+    check("qwen2 excluded")
+
+    # qwen2_5_vl excluded: its own targets are stock again; the norm is qwen2's, so it stays.
+    npu_autopatch.enable(models=["qwen2", "qwen2_5_vl"], exclude=["qwen2_5_vl"])
+    assert stock_targets(*shared)[0] is not originals[0]
+    assert all(a is b for a, b in zip(stock_targets(*own), originals[1:], strict=True))
+    check("qwen2_5_vl excluded")
+
+    npu_autopatch.disable()
+    assert all(a is b for a, b in zip(stock_targets(*shared, *own), originals, strict=True))
+    assert torch.equal(forward_backward(model, input_ids, labels, **inputs)[0], stock[0])
+
+
+def test_a_gelu_mlp_has_no_swiglu_target_and_never_runs_the_kernel(npu_stand_in):
+    from transformers.models.gemma3 import modeling_gemma3
+
+    assert "swiglu" not in MODELS["gemma3"].kernels
+    report = check_parity("gemma3", npu=npu_stand_in)
+    assert report.kernels == ("rms_norm", "rope") and "npu_swiglu" not in report.ops_called
+    # Gemma3MLP has the gated layout, so the gate-up probe (SiLU) accepts it; the activation is
+    # per instance, and a GELU instance runs the stock code.
+    config = tiny_config("gemma3")
+    assert config.hidden_activation == "gelu_pytorch_tanh"
+    torch.manual_seed(0)
+    mlp = modeling_gemma3.Gemma3MLP(config)
+    stock = modeling_gemma3.Gemma3MLP.forward
+    variant, _ = choose_variant(KERNELS["swiglu"], stock)
+    x = torch.randn(2, 3, config.hidden_size)
+    assert torch.equal(variant.build(stock, npu_stand_in)(mlp, x), stock(mlp, x))
+    assert npu_stand_in.calls["npu_swiglu"] == 0
+
+
+def test_a_zero_centred_norm_is_never_given_the_llama_kernel(npu_stand_in, monkeypatch):
+    # With only the llama variant, Gemma3's (1 + weight) norm is refused and stays stock.
+    monkeypatch.setattr(KERNELS["rms_norm"], "variants", KERNELS["rms_norm"].variants[:1])
+    report = check_parity("gemma3", npu=npu_stand_in)
+    assert report.state == "applied" and report.kernels == ("rope",)
+    assert report.reason == (
+        "rms_norm not applied to transformers.models.gemma3.modeling_gemma3:Gemma3RMSNorm.forward: "
+        "the stock code reads state this kernel does not provide "
+        "('Gemma3RMSNorm' object has no attribute 'eps')"
+    )
+    assert "npu_rms_norm" not in report.ops_called
+    assert report.passed
+
+
+ZERO_CENTRED = [
+    ("gemma3", "Gemma3RMSNorm"),
+    ("qwen3_next", "Qwen3NextRMSNorm"),
+    ("qwen3_5", "Qwen3_5RMSNorm"),
+    ("qwen3_5_moe", "Qwen3_5MoeRMSNorm"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_type, name", ZERO_CENTRED, ids=[m for m, _ in ZERO_CENTRED])
+def test_the_zero_centred_kernel_rounds_where_stock_does(model_type, name, dtype, npu_stand_in):
+    # (1 + weight) in fp32 and one rounding at the end, as stock: equal to the last bit, with a
+    # weight far from its zero init. (The weight may be in the activations' dtype or fp32.)
+    if not present(model_type):
+        pytest.skip(f"{model_type} is not in transformers {transformers.__version__}")
+    module = importlib.import_module(MODELS[model_type].module)
+    cls = getattr(module, name)
+    stock = cls.forward
+    variant, _ = choose_variant(KERNELS["rms_norm"], stock)
+    assert variant.name == "zero-centred"
+    forward = variant.build(stock, npu_stand_in)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 64, generator=gen).to(dtype)
+    for weight_dtype in (dtype, torch.float32):
+        norm = cls(64, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(64, generator=gen))
+        norm.to(weight_dtype)
+        assert torch.equal(forward(norm, x), stock(norm, x)), weight_dtype
+    assert npu_stand_in.calls["npu_rms_norm"] == 2
+
+
+# A variant whose math differs from the target is refused by its probe, with the reason.
+REFUSED = [
+    ("gemma3", "Gemma3RMSNorm.forward", "rms_norm", "llama", "has no attribute 'eps'"),
+    ("qwen3", "Qwen3RMSNorm.forward", "rms_norm", "zero-centred", "has no attribute 'variance_epsilon'"),
+    ("qwen3", "Qwen3RMSNorm.forward", "gated_rms_norm", "silu", "is not (self, hidden_states, gate)"),
+    ("glm4", "Glm4MLP.forward", "swiglu", "gate-up", "has no attribute 'gate_up_proj'"),
+    ("qwen3", "Qwen3MLP.forward", "swiglu", "fused-gate-up", "has no attribute 'act_fn'"),
+    ("glm4", "apply_rotary_pos_emb", "rope", "half", "partial rotary"),
+    ("glm4", "apply_rotary_pos_emb", "rope", "partial", "the math differs from stock"),
+    ("qwen3_next", "apply_rotary_pos_emb", "rope", "half", "partial rotary"),
+    ("qwen3_next", "apply_rotary_pos_emb", "rope", "interleave", "the math differs from stock"),
+    ("deepseek_v3", "apply_rotary_pos_emb_interleave", "rope", "half", "the math differs from stock"),
+    # 4.x: the signature of the interleaved function, so the probe compares the math
+    ("qwen3", "apply_rotary_pos_emb", "rope", "deinterleave", "the math differs" if V4 else "the signature"),
+    ("qwen3", "apply_rotary_pos_emb", "rope", "partial", "the stock code fails on the probe input"),
+    ("qwen3_vl", "apply_rotary_pos_emb_vision", "rope", "half", "the signature"),
+]
+
+
+@pytest.mark.parametrize(
+    "model_type, path, kernel, variant, reason", REFUSED, ids=[f"{r[0]}-{r[1]}-{r[3]}" for r in REFUSED]
+)
+def test_a_variant_whose_math_differs_is_refused_with_the_reason(model_type, path, kernel, variant, reason):
+    module = importlib.import_module(MODELS[model_type].module)
+    stock = module
+    for name in path.split("."):
+        stock = getattr(stock, name)
+    (only,) = [v for v in KERNELS[kernel].variants if v.name == variant]
+    chosen, why = choose_variant(Kernel(kernel, KERNELS[kernel].ops, (only,)), stock)
+    assert chosen is None
+    assert reason in why, why

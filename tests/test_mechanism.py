@@ -218,23 +218,22 @@ def test_strict_mode_raises_naming_model_and_cause_after_rollback():
 
 
 def test_math_mismatch_skips_the_target_with_the_reason(npu_stand_in, monkeypatch):
-    # A zero-centred (1 + weight) norm is not the llama-style kernel's math: the probe says so.
-    from transformers.models.gemma3 import modeling_gemma3
-
+    # rotate_half is not a rotary embedding: the probe refuses it, the norm is still patched.
     entry = models.Model(
-        "gemma3",
-        models.Target("rms_norm", "Gemma3RMSNorm.forward"),
-        models.Target("swiglu", "Gemma3MLP.forward"),
+        "qwen3_mismatch",
+        models.Target("rms_norm", "Qwen3RMSNorm.forward"),
+        models.Target("rope", "rotate_half"),
+        module=modeling_qwen3.__name__,
     )
-    monkeypatch.setitem(models.MODELS, "gemma3", entry)
-    npu_autopatch.enable(models=["gemma3"])
-    record = npu_autopatch.status()["gemma3"]
+    monkeypatch.setitem(models.MODELS, "qwen3_mismatch", entry)
+    rotate_half = modeling_qwen3.rotate_half
+    npu_autopatch.enable(models=["qwen3_mismatch"])
+    record = npu_autopatch.status()["qwen3_mismatch"]
     assert record.state == "applied"
-    assert record.kernels == ("swiglu",)
-    assert "rms_norm not applied to transformers.models.gemma3.modeling_gemma3:Gemma3RMSNorm.forward" in (
-        record.reason
-    )
-    assert modeling_gemma3.Gemma3RMSNorm.forward.__module__ == "transformers.models.gemma3.modeling_gemma3"
+    assert record.kernels == ("rms_norm",)
+    assert record.reason.startswith(f"rope not applied to {modeling_qwen3.__name__}:rotate_half: ")
+    assert "signature" in record.reason
+    assert modeling_qwen3.rotate_half is rotate_half
 
 
 def test_shared_target_stays_patched_while_another_model_holds_it(npu_stand_in, monkeypatch):
@@ -261,3 +260,24 @@ def test_status_before_enable_says_patching_is_off():
     assert child.stdout.strip() == "pending transformers.models.llama.modeling_llama"
     child = run_python("import npu_autopatch; print(npu_autopatch.status()['llama'].reason)")
     assert child.stdout.strip() == "patching is not enabled"
+
+
+def test_a_rotary_function_turned_into_a_module_by_kernels_is_still_stock(npu_stand_in, monkeypatch):
+    # With the `kernels` package, transformers 5.x makes the decorated function an nn.Module
+    # instance whose forward calls it (kernels' _create_func_module); it is still stock code.
+    import torch
+
+    stock = modeling_llama.apply_rotary_pos_emb
+
+    class Func(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return stock(*args, **kwargs)
+
+    hub_module = Func()
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", hub_module)
+    npu_autopatch.enable(models=["llama"])
+    record = npu_autopatch.status()["llama"]
+    assert record.state == "applied" and "rope" in record.kernels, record
+    assert modeling_llama.apply_rotary_pos_emb is not hub_module
+    npu_autopatch.disable()
+    assert modeling_llama.apply_rotary_pos_emb is hub_module

@@ -19,8 +19,10 @@ ENV_KERNELS = "NPU_AUTOPATCH_KERNELS"
 ENV_STRICT = "NPU_AUTOPATCH_STRICT"
 ENV_LOG_ALL_RANKS = "NPU_AUTOPATCH_LOG_ALL_RANKS"
 
-# Long or hostile values are echoed back shortened, never evaluated.
+# Long or hostile values are echoed back shortened, never evaluated; a long list of unknown
+# names is echoed in part, so that the warning stays one readable line.
 _ECHO_LIMIT = 60
+_ECHO_NAMES = 5
 
 
 def echo(value):
@@ -54,17 +56,23 @@ def _split_names(raw):
 
 
 def _env_names(environ, name, valid, what, warn):
-    """A comma list from the environment, unknown names dropped with one warning."""
+    """A comma list from the environment, unknown names dropped with one warning.
+
+    A value with no name in it ("", " ", ",") counts as unset, as an empty NPU_AUTOPATCH
+    does: ``NPU_AUTOPATCH_MODELS=$MODELS`` with MODELS unset must not select nothing.
+    """
     raw = environ.get(name)
     if raw is None:
         return None
     names = _split_names(raw)
-    unknown = [n for n in names if n not in valid]
+    if not names:
+        return None
+    unknown = list(dict.fromkeys(n for n in names if n not in valid))
     if unknown:
-        warn(
-            f"ignoring unknown {what} in {name}: {', '.join(echo(n) for n in unknown)}; "
-            f"valid {what}: {', '.join(valid)}"
-        )
+        shown = ", ".join(echo(n) for n in unknown[:_ECHO_NAMES])
+        if len(unknown) > _ECHO_NAMES:
+            shown += f" and {len(unknown) - _ECHO_NAMES} more"
+        warn(f"ignoring unknown {what} in {name}: {shown}; valid {what}: {', '.join(valid)}")
     return frozenset(n for n in names if n in valid)
 
 
@@ -120,6 +128,14 @@ class Config:
 def resolve(models, exclude, kernels, strict, force, warn, environ=None):
     """Arguments override the environment; the environment overrides the defaults."""
     environ = os.environ if environ is None else environ
+    requested = _split_names(f"{environ.get(ENV_MODELS, '')},{environ.get(ENV_EXCLUDE, '')}")
+    for names in (models, exclude):
+        if names is not None:
+            requested += _split_names(names) if isinstance(names, str) else [str(n).lower() for n in names]
+    if not set(requested) <= set(MODELS):  # perhaps an installed plugin's model: look (rarely needed)
+        from ._plugins import discover
+
+        discover()
     valid_models = tuple(MODELS)
     model_set = _arg_names(models, valid_models, "models", "models")
     if model_set is None:

@@ -8,8 +8,14 @@ imported only when something is logged, because it costs ~14 ms at interpreter s
 Hooks fire before torch.distributed is initialised, so the launcher's environment
 variables decide the rank there; torch.distributed is asked only once it is initialised
 (and never imported by us).
+
+Nothing is written while the package lock is held (``defer``/``resume``): logging takes
+its own lock, and holding ours while waiting for it would order the two locks against
+logging's fork handler, which takes logging's lock before ours (a hang found by
+tests/test_processes.py: a fork while another thread was patching).
 """
 
+import _thread
 import os
 import sys
 
@@ -46,7 +52,35 @@ def _prefix():
     return "npu-autopatch: " if rank in (None, 0) else None
 
 
+_deferred = {}  # thread ident -> [depth, messages] while that thread holds the package lock
+
+
+def defer():
+    """Hold back this thread's messages until the matching resume() (nests)."""
+    _deferred.setdefault(_thread.get_ident(), [0, []])[0] += 1
+
+
+def resume():
+    """End one defer(); at the outermost, return the held-back messages for write()."""
+    me = _thread.get_ident()
+    entry = _deferred[me]
+    entry[0] -= 1
+    if entry[0]:
+        return ()
+    del _deferred[me]
+    return entry[1]
+
+
+def write(messages):
+    for level, message in messages:
+        _emit(level, message)
+
+
 def _emit(level, message):
+    entry = _deferred.get(_thread.get_ident())
+    if entry is not None:
+        entry[1].append((level, message))
+        return
     prefix = _prefix()
     if prefix is None:
         return

@@ -20,7 +20,7 @@ import types
 
 from . import _device, _log
 from ._errors import PatchError
-from ._records import APPLIED, FAILED, OVERRIDDEN, REVERTED, SKIPPED, PatchRecord
+from ._records import APPLIED, FAILED, OVERRIDDEN, PENDING, REVERTED, SKIPPED, PatchRecord
 from .kernels import KERNELS, choose_variant
 from .models import KERNEL_NAMES
 
@@ -45,6 +45,7 @@ class _Slot:
 
 _slots = {}  # (id(owner), attr) -> _Slot
 _held = {}  # model type -> ledger keys it holds
+_placed = {}  # model type -> (module object, ((path, key), ...)) it was applied to
 _records = {}  # model type -> PatchRecord of the last decision
 _device_decision = None  # (torch_npu module or None, reason or None), per enable()
 
@@ -95,13 +96,35 @@ def _transformers_dir():
     return os.path.dirname(path) + os.sep if path else None
 
 
-def foreign_holder(obj):
-    """None for transformers' own code, else the name of whoever holds the target now."""
+def stock_function(obj):
+    """The plain function behind a target: itself, or the function a callable module wraps.
+
+    With the ``kernels`` package installed, transformers 5.x turns a function decorated
+    with ``use_kernel_forward_from_hub`` into an ``nn.Module`` instance whose ``forward``
+    calls the original function; so do not rely on ``inspect.isfunction``.
+    """
     if type(obj) is types.FunctionType:
+        return obj
+    forward = getattr(type(obj), "forward", None)
+    for cell in getattr(forward, "__closure__", None) or ():
+        if type(cell.cell_contents) is types.FunctionType:
+            return cell.cell_contents
+    return None
+
+
+def foreign_holder(obj, module=None):
+    """None for the model's own code, else the name of whoever holds the target now.
+
+    Own code is transformers' (or, for a plugin's or a remote-code model, the module's own
+    file); anything defined elsewhere was put there by another library.
+    """
+    function = stock_function(obj)
+    if function is not None:
+        source = function.__code__.co_filename
         home = _transformers_dir()
-        if home and obj.__code__.co_filename.startswith(home):
+        if (home and source.startswith(home)) or source == getattr(module, "__file__", None):
             return None
-        return f"{obj.__module__}.{obj.__qualname__}"
+        return f"{function.__module__}.{function.__qualname__}"
     kind = type(obj)
     return f"{kind.__module__}.{kind.__qualname__} object"
 
@@ -131,16 +154,44 @@ def record(model, state, reason=None, kernels=(), targets=()):
     return rec
 
 
-def forget():
-    """Drop the decisions of a previous enable(); call after revert_all()."""
-    _records.clear()
+def forget(model_type=None):
+    """Drop the decisions of a previous enable() (or of one model); call after reverting."""
+    if model_type is None:
+        _records.clear()
+    else:
+        _records.pop(model_type, None)
+
+
+class _one_intra_op_thread:
+    """Run the probes on one intra-op thread, then put the user's thread count back.
+
+    The first parallel op of a process, however tiny, starts the OpenMP/MKL thread team,
+    and a child forked after that hangs in its first parallel op (an OpenMP limitation;
+    tests/test_processes.py). Without us, a process that only imports modeling modules has
+    computed nothing and is safe to fork (a tokenizer pool, data workers); our probes must
+    not change that. For the few milliseconds of the probes, torch ops of other threads run
+    on one thread too. torch's native thread pool (no OpenMP) is fork-safe and refuses a
+    new count once used, so it is left alone.
+    """
+
+    def __enter__(self):
+        import torch  # already imported: the modeling module imported it
+
+        self._torch = torch
+        self._threads = torch.get_num_threads() if getattr(torch._C, "has_openmp", False) else 1
+        if self._threads != 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc_info):
+        if self._threads != 1:
+            self._torch.set_num_threads(self._threads)
 
 
 def _plan(model, module, config, npu):
     """Resolve, check and probe every target; swap nothing. Returns (steps, notes)."""
     steps, notes = [], []
     for target in model.targets:
-        if config.kernels is not None and target.kernel not in config.kernels:
+        if config.kernels is not None and target.kernel_name not in config.kernels:
             continue
         found = _resolve(module, target.paths)
         if found is None:
@@ -153,19 +204,20 @@ def _plan(model, module, config, npu):
         key = (id(owner), attr)
         slot = _slots.get(key)
         if slot is not None and current is slot.replacement:
-            steps.append((key, slot, None))  # another model already put our kernel here
+            steps.append((key, slot, target.kernel_name, path))  # another model put our kernel here
             continue
-        holder = foreign_holder(current)
+        holder = foreign_holder(current, module)
         if holder is not None and not config.force:
             raise _Skip(f"{where} is already replaced by {holder}; pass force=True to replace it anyway")
-        kernel = KERNELS[target.kernel]
+        kernel = KERNELS.get(target.kernel) or target.kernel  # a built-in name, or a plugin's Kernel
         missing = [op for op in kernel.ops if not hasattr(npu, op)]
         if missing:
             raise _Failure(
                 f"torch_npu has no {', '.join(missing)} (needed by {kernel.name}; torch_npu too old?)"
             )
+        stock = stock_function(current) or current  # what the kernel must reproduce
         try:
-            variant, mismatch = choose_variant(kernel, current)
+            variant, mismatch = choose_variant(kernel, stock)
         except Exception as exc:
             raise _Failure(
                 f"kernel {kernel.name} raised while checking {where}: {type(exc).__name__}: {exc}"
@@ -174,12 +226,12 @@ def _plan(model, module, config, npu):
             notes.append(f"{kernel.name} not applied to {where}: {mismatch}")
             continue
         try:
-            replacement = variant.build(current, npu)
+            replacement = variant.build(stock, npu)
         except Exception as exc:
             raise _Failure(
                 f"kernel {kernel.name} raised while building for {where}: {type(exc).__name__}: {exc}"
             ) from exc
-        steps.append((key, _Slot(owner, attr, current, replacement, had_own, where), kernel.name))
+        steps.append((key, _Slot(owner, attr, current, replacement, had_own, where), kernel.name, path))
     return steps, notes
 
 
@@ -203,11 +255,11 @@ def _release(key, model_type):
         delattr(slot.owner, slot.attr)
 
 
-def _commit(model_type, steps):
+def _commit(model_type, module, steps):
     """Swap every planned target in; on any error undo the swaps made so far and re-raise."""
     done = []
     try:
-        for key, slot, _kernel in steps:
+        for key, slot, _kernel, _path in steps:
             if key not in _slots:
                 setattr(slot.owner, slot.attr, slot.replacement)
                 _slots[key] = slot
@@ -222,6 +274,36 @@ def _commit(model_type, steps):
             _release(key, model_type)
         raise
     _held[model_type] = done
+    _placed[model_type] = (module, tuple((path, key) for key, _slot, _kernel, path in steps))
+
+
+def _moved(model_type, module):
+    """None while the model's kernels sit on what ``module`` holds now, else why not.
+
+    A module whose body ran again (``importlib.reload``, or an import retried after it
+    failed) holds new, stock classes and functions; our kernels sit on the old ones.
+    """
+    placed_module, placed = _placed[model_type]
+    if module is None:
+        return "gone"
+    if module is not placed_module:
+        return f"{module.__name__} was imported again after it was patched; its new objects run stock"
+    for path, key in placed:
+        found = _resolve(module, (path,))
+        if found is None or (id(found[1]), found[2]) != key:
+            return f"{module.__name__} was executed again after it was patched; its new objects run stock"
+        slot = _slots[key]
+        if found[3] is not slot.replacement and foreign_holder(found[3], module) is None:
+            return f"{slot.where} holds transformers' own code again (module executed again?)"
+    return None
+
+
+def _load_plugin(model):
+    """A plugin's targets, imported now that its module is: a failure fails that model only."""
+    try:
+        return tuple(model.load(model))
+    except Exception as exc:
+        raise _Failure(f"{model.load.source} failed to load: {type(exc).__name__}: {exc}") from exc
 
 
 def apply(model, module, config):
@@ -229,8 +311,11 @@ def apply(model, module, config):
 
     Raises PatchError only in strict mode, after rolling the model back.
     """
-    if model.model_type in _held:  # already applied: the hook and enable() may both get here
-        return _records[model.model_type]
+    if model.model_type in _held:
+        if _moved(model.model_type, module) is None:
+            return _records[model.model_type]  # the hook and enable() may both get here
+        # The module body ran again: let go of (and restore) its earlier objects, patch the new.
+        revert(model.model_type)
     reason = config.wants(model.model_type)
     if reason is not None:
         return record(model, SKIPPED, reason)
@@ -239,10 +324,13 @@ def apply(model, module, config):
         rec = record(model, SKIPPED, reason)
         return _strict_check(config, rec)
     try:
-        steps, notes = _plan(model, module, config, npu)
+        if model.load is not None and not model.targets:
+            model.targets = _load_plugin(model)
+        with _one_intra_op_thread():
+            steps, notes = _plan(model, module, config, npu)
         if not steps:
             raise _Skip("no target matches its kernel's math: " + "; ".join(notes or ["no kernel selected"]))
-        _commit(model.model_type, steps)
+        _commit(model.model_type, module, steps)
     except _Skip as skip:
         rec = record(model, SKIPPED, str(skip))
         _log.warning(f"{model.model_type}: skipped: {skip}")
@@ -252,8 +340,9 @@ def apply(model, module, config):
         rec = record(model, FAILED, cause)
         _log.warning(f"{model.model_type}: failed, left stock: {cause}")
         return _strict_check(config, rec)
-    kernels = [k for k in KERNEL_NAMES if any(kernel == k for _key, _slot, kernel in steps)]
-    targets = [slot.where for _key, slot, _kernel in steps]
+    used = {kernel for _key, _slot, kernel, _path in steps if kernel is not None}
+    kernels = [k for k in (*KERNEL_NAMES, *sorted(used - set(KERNEL_NAMES))) if k in used]
+    targets = [slot.where for _key, slot, _kernel, _path in steps]
     rec = record(model, APPLIED, "; ".join(notes) or None, kernels, targets)
     _log.info(f"{model.model_type}: applied {', '.join(kernels)} to {len(targets)} targets")
     return rec
@@ -267,6 +356,7 @@ def _strict_check(config, rec):
 
 def revert(model_type):
     """Take one model's kernels out again (other holders of a shared target keep it)."""
+    _placed.pop(model_type, None)
     for key in _held.pop(model_type, ()):
         _release(key, model_type)
     rec = _records.get(model_type)
@@ -283,20 +373,31 @@ def revert_all():
 
 
 def live_record(model_type):
-    """The record, downgraded to 'overridden' if another library replaced one of our targets."""
+    """The record, downgraded when what it claims no longer holds.
+
+    'overridden' if another library replaced one of our targets, or the module body ran
+    again without being patched; 'pending' if the import failed after we patched it.
+    """
     rec = _records.get(model_type)
     if rec is None or rec.state != APPLIED:
         return rec
+
+    def downgraded(state, reason):
+        return PatchRecord(rec.model, rec.module, state, reason, rec.kernels, rec.targets)
+
+    patched_module = _placed[model_type][0]  # rec.module may be a pattern (trust_remote_code)
+    moved = _moved(model_type, sys.modules.get(patched_module.__name__))
+    if moved == "gone":
+        return downgraded(
+            PENDING,
+            f"the import of {rec.module} failed after it was patched (did another library's "
+            "post-import hook raise?); it is patched when imported again",
+        )
+    if moved is not None:
+        return downgraded(OVERRIDDEN, moved)
     for key in _held.get(model_type, ()):
         slot = _slots[key]
         now = slot.current()
         if now is not slot.replacement:
-            return PatchRecord(
-                rec.model,
-                rec.module,
-                OVERRIDDEN,
-                f"{slot.where} was replaced after us by {foreign_holder(now)}",
-                rec.kernels,
-                rec.targets,
-            )
+            return downgraded(OVERRIDDEN, f"{slot.where} was replaced after us by {foreign_holder(now)}")
     return rec

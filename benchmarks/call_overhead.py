@@ -1,0 +1,106 @@
+"""Per-call cost of a patched target vs calling the fused op directly (goal: no extra frame).
+
+The replacements are built for Qwen3's RMSNorm, MLP and rotary function as the patcher
+builds them, on a stub torch_npu whose ops return a ready tensor at once, so that what is
+timed is our glue alone: the replacement's frame, its attribute loads and dtype checks.
+The direct call does the same tensor work inline (the concatenation for npu_swiglu, the
+unsqueeze of cos/sin for npu_rotary_mul). Python frames are counted with sys.setprofile.
+Run with the venv's python:
+    .venv/bin/python benchmarks/call_overhead.py
+"""
+
+import statistics
+import sys
+import timeit
+import types
+
+import torch
+from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+from npu_autopatch.kernels import KERNELS, choose_variant
+
+
+def stub_npu(x):
+    """A torch_npu whose ops cost one Python call each and return a ready result."""
+    normed = (x.clone(), torch.ones(1))
+    return types.SimpleNamespace(
+        npu_rms_norm=lambda input, gamma, epsilon=1e-6: normed,
+        npu_swiglu=lambda input, dim=-1: input[..., : input.shape[-1] // 2],
+        npu_rotary_mul=lambda input, r1, r2: input,
+    )
+
+
+def build(kernel, stock, npu):
+    variant, reason = choose_variant(KERNELS[kernel], stock)
+    assert variant is not None, reason
+    return variant.build(stock, npu)
+
+
+def ns_per_call(call, number=20000):
+    return statistics.median(timeit.repeat(call, number=number, repeat=7)) / number * 1e9
+
+
+def frames(call):
+    """(Python frames of npu_autopatch, all Python frames) entered during one call."""
+    counted = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            counted.append(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    ours = sum("npu_autopatch" in name for name in counted)
+    return ours, len(counted)
+
+
+def main():
+    torch.set_num_threads(1)
+    config = qwen3.Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
+    x = torch.randn(2, 8, 64)
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
+    cos, sin = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    npu = stub_npu(x)
+    norm, mlp = qwen3.Qwen3RMSNorm(64), qwen3.Qwen3MLP(config)
+    cat = torch.cat
+    norm_forward = build("rms_norm", qwen3.Qwen3RMSNorm.forward, npu)
+    mlp_forward = build("swiglu", qwen3.Qwen3MLP.forward, npu)
+    rotary = build("rope", qwen3.apply_rotary_pos_emb, npu)
+
+    rows = {
+        "rms_norm (Qwen3RMSNorm.forward)": (
+            lambda: norm_forward(norm, x),
+            lambda: npu.npu_rms_norm(x, norm.weight, epsilon=norm.variance_epsilon)[0],
+            lambda: qwen3.Qwen3RMSNorm.forward(norm, x),
+        ),
+        "swiglu (Qwen3MLP.forward)": (
+            lambda: mlp_forward(mlp, x),
+            lambda: mlp.down_proj(npu.npu_swiglu(cat((mlp.gate_proj(x), mlp.up_proj(x)), dim=-1), dim=-1)),
+            lambda: qwen3.Qwen3MLP.forward(mlp, x),
+        ),
+        "rope (apply_rotary_pos_emb)": (
+            lambda: rotary(q, k, cos, sin),
+            lambda: (lambda c, s: (npu.npu_rotary_mul(q, c, s), npu.npu_rotary_mul(k, c, s)))(
+                cos.unsqueeze(1), sin.unsqueeze(1)
+            ),
+            lambda: qwen3.apply_rotary_pos_emb(q, k, cos, sin),
+        ),
+    }
+    print("per call, stub ops (our glue only); frames = Python frames of npu_autopatch / all")
+    for name, (patched, direct, stock) in rows.items():
+        with torch.no_grad():
+            t_patched, t_direct, t_stock = ns_per_call(patched), ns_per_call(direct), ns_per_call(stock)
+            ours, total = frames(patched)
+        print(
+            f"  {name:<34} patched {t_patched:7.0f} ns, direct {t_direct:7.0f} ns "
+            f"({t_patched - t_direct:+5.0f} ns); stock on CPU {t_stock:7.0f} ns; frames {ours}/{total}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 
 import npu_autopatch
+from npu_autopatch import _plugins
+
+# Installed plugins (the example plugin is part of the test environment) are in MODELS
+# from the start here, as they are in every child process that reads the configuration.
+_plugins.discover()
 
 ROOT = Path(__file__).resolve().parents[1]
 # On PYTHONPATH, this directory makes `import torch_npu` give the CPU stand-in in a child

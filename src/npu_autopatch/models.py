@@ -9,38 +9,82 @@ exists is used. Whether the kernel really reproduces the target's math is not tr
 the name: the patcher probes every target against the kernel before swapping.
 """
 
-# Kernel names, in the order they are reported. The kernels package implements exactly these.
+# The built-in kernels, in the order they are reported. The kernels package implements them.
 KERNEL_NAMES = ("rms_norm", "gated_rms_norm", "swiglu", "rope", "moe")
 
 
+class Variant:
+    """One way to implement a kernel: ``build(stock, npu)`` and ``probe(stock, candidate)``.
+
+    ``build`` returns the replacement for the stock function or method; it closes over
+    ``npu`` (the torch_npu module) and calls the fused ops as its attributes, with the
+    documented signatures, unconditionally: no per-call device test, no extra frame.
+    ``probe`` runs the stock code and a candidate built on the CPU golden ops on tiny inputs
+    and returns None when they agree, else why not. ``probe=None`` trusts the variant
+    without checking (for a plugin's own kernel; the parity test is then the only proof).
+    """
+
+    __slots__ = ("build", "name", "probe")
+
+    def __init__(self, name, build, probe=None):
+        self.name = name
+        self.build = build
+        self.probe = probe
+
+
+class Kernel:
+    """A named kernel: the torch_npu ops it needs and its variants, tried in order."""
+
+    __slots__ = ("name", "ops", "variants")
+
+    def __init__(self, name, ops, variants):
+        self.name = name
+        self.ops = tuple(ops)
+        self.variants = tuple(variants)
+
+
 class Target:
-    """One attribute to replace: a kernel name and the path(s) where it may live."""
+    """One attribute to replace: a kernel (a built-in name or a Kernel) and where it may live."""
 
     __slots__ = ("kernel", "paths")
 
     def __init__(self, kernel, *paths):
-        if kernel not in KERNEL_NAMES:
-            raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(KERNEL_NAMES)}")
+        if not isinstance(kernel, Kernel) and kernel not in KERNEL_NAMES:
+            raise ValueError(f"unknown kernel {kernel!r}; built in: {', '.join(KERNEL_NAMES)}")
+        if not paths:
+            raise ValueError("a Target needs at least one path, e.g. 'MyModelRMSNorm.forward'")
         self.kernel = kernel
         self.paths = paths
 
+    @property
+    def kernel_name(self):
+        return self.kernel.name if isinstance(self.kernel, Kernel) else self.kernel
+
     def __repr__(self):
-        return f"Target({self.kernel!r}, {', '.join(map(repr, self.paths))})"
+        return f"Target({self.kernel_name!r}, {', '.join(map(repr, self.paths))})"
 
 
 class Model:
-    """A supported model type and its targets, patched together or not at all."""
+    """A supported model type and its targets, patched together or not at all.
 
-    __slots__ = ("model_type", "module", "targets")
+    ``since`` is the first transformers release that has the model (documentation, and
+    checked by the tests against the installed transformers). ``load``, for a plugin's
+    model, returns the targets when the module is imported (see _plugins.py).
+    """
 
-    def __init__(self, model_type, *targets, module=None):
+    __slots__ = ("load", "model_type", "module", "since", "targets")
+
+    def __init__(self, model_type, *targets, module=None, since="4.57", load=None):
         self.model_type = model_type
         self.module = module or f"transformers.models.{model_type}.modeling_{model_type}"
         self.targets = targets
+        self.since = since
+        self.load = load
 
     @property
     def kernels(self):
-        return tuple(k for k in KERNEL_NAMES if any(t.kernel == k for t in self.targets))
+        names = [t.kernel_name for t in self.targets]
+        return tuple(sorted(set(names), key=lambda n: (KERNEL_NAMES + tuple(names)).index(n)))
 
     def __repr__(self):
         return f"Model({self.model_type!r}, {len(self.targets)} targets)"
@@ -121,6 +165,7 @@ MODELS = {
             Target("swiglu", "Qwen3_5MLP.forward"),
             Target("rope", "apply_rotary_pos_emb"),
             Target("rope", "apply_rotary_pos_emb_vision"),
+            since="5.2",
         ),
         Model(
             "qwen3_5_moe",
@@ -130,6 +175,7 @@ MODELS = {
             Target("rope", "apply_rotary_pos_emb"),
             Target("rope", "apply_rotary_pos_emb_vision"),
             Target("moe", "Qwen3_5MoeExperts.forward"),
+            since="5.2",
         ),
         # Gemma3's MLP is GELU (gelu_pytorch_tanh), which no SiLU kernel reproduces: no swiglu target.
         Model(
@@ -139,3 +185,6 @@ MODELS = {
         ),
     )
 }
+
+# The models this package ships, before any plugin or register() adds to MODELS.
+BUILTIN = tuple(MODELS)

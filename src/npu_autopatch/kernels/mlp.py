@@ -14,8 +14,8 @@ SiLU runs the stock code.
 
 import torch
 
+from ..models import Kernel, Variant
 from ._probe import agree_strict, generator, instance, linear, parameters, randn
-from .base import Kernel, Variant
 
 
 def _silu_types():

@@ -63,8 +63,8 @@ import types
 
 import torch
 
+from ..models import Kernel, Variant
 from ._probe import agree_strict, first_disagreement, generator, instance, linear, parameters, randn
-from .base import Kernel, Variant
 from .mlp import _silu_types
 
 

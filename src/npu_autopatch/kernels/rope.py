@@ -25,8 +25,8 @@ cos/sin, so does the replacement (npu_rotary_mul would cast cos/sin down to q's 
 
 import torch
 
+from ..models import Kernel, Variant
 from ._probe import agree_strict, first_disagreement, generator, parameters, randn
-from .base import Kernel, Variant
 
 _SIGNATURE_4X = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
 _SIGNATURE_5X = ("q", "k", "cos", "sin", "unsqueeze_dim")

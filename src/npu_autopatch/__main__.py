@@ -1,9 +1,11 @@
-"""``python -m npu_autopatch status|check``: what is patched here, and why not.
+"""``python -m npu_autopatch status|check|verify|models``: what is patched here, and does it hold.
 
 status  the environment and the state of every supported model in this process.
 check   enable patching, import every supported modeling module, print the same table;
         exit status 1 if any model failed. ``--simulate`` first installs the CPU stand-in
         for torch_npu (npu_autopatch.testing), so it runs on any machine.
+verify  stock vs patched parity on tiny random models, per model (see verify.py).
+models  the supported models, kernels and targets as a markdown table (the README's).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import json
 import platform
 import sys
 
-from . import _control, _device
+from . import _control, _device, _plugins
 from ._records import FAILED, SKIPPED, PatchRecord
-from .models import MODELS
+from ._table import columns
+from .models import BUILTIN, MODELS
 
 
 def _version(distribution):
@@ -49,7 +52,8 @@ def environment(simulated: bool = False) -> dict:
 def _import_all() -> dict[str, PatchRecord]:
     """Import every supported modeling module with patching on; note the absent ones."""
     absent = {}
-    for model_type, model in MODELS.items():
+    _plugins.discover()  # installed plugins are checked too
+    for model_type, model in list(MODELS.items()):
         try:
             importlib.import_module(model.module)
         except ModuleNotFoundError as exc:
@@ -70,11 +74,21 @@ def _import_all() -> dict[str, PatchRecord]:
 def format_table(report: dict[str, PatchRecord]) -> str:
     rows = [("model", "state", "kernels", "reason")]
     rows += [(r.model, r.state, ",".join(r.kernels) or "-", r.reason or "") for r in report.values()]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
-        for row in rows
-    ).rstrip()
+    return columns(rows)
+
+
+def models_markdown() -> str:
+    """The supported-models table of the README, generated from the model table."""
+    lines = [
+        "| model type | kernels | targets (`a` / `b`: whichever the installed version has) | transformers |",
+        "|---|---|---|---|",
+    ]
+    for model in (MODELS[name] for name in BUILTIN):
+        targets = "<br>".join(
+            f"{t.kernel}: {' / '.join(f'`{path}`' for path in t.paths)}" for t in model.targets
+        )
+        lines.append(f"| {model.model_type} | {', '.join(model.kernels)} | {targets} | >= {model.since} |")
+    return "\n".join(lines)
 
 
 def _print(env: dict, report: dict[str, PatchRecord], as_json: bool) -> None:
@@ -97,7 +111,27 @@ def main(argv: list[str] | None = None) -> int:
     check_cmd = commands.add_parser("check", help="import every supported model with patching on")
     check_cmd.add_argument("--json", action="store_true", help="machine-readable output")
     check_cmd.add_argument("--simulate", action="store_true", help="use the CPU stand-in for torch_npu")
+    commands.add_parser("models", help="the supported models as a markdown table")
+    verify_cmd = commands.add_parser("verify", help="parity of patched vs stock on tiny models, per model")
+    verify_cmd.add_argument("--device", choices=("npu", "cpu"), default="npu")
+    verify_cmd.add_argument("--models", help="comma list of model types (default: every supported model)")
+    verify_cmd.add_argument("--dtype", default="float32,bfloat16", help="comma list: float32,bfloat16")
+    verify_cmd.add_argument(
+        "--json", action="store_true", help="the report and environment, for a bug report"
+    )
+    verify_cmd.add_argument(
+        "--simulate", action="store_true", help="use the CPU stand-in (with --device cpu)"
+    )
     args = parser.parse_args(argv)
+
+    if args.command == "verify":
+        from . import verify
+
+        return verify.main(args)
+
+    if args.command == "models":
+        print(models_markdown())
+        return 0
 
     if args.command == "status":
         _print(environment(), _control.status(), args.json)

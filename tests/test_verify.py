@@ -1,0 +1,102 @@
+"""python -m npu_autopatch verify: the parity suite as a user on an NPU would run it."""
+
+import json
+import subprocess
+import sys
+
+import transformers
+
+from npu_autopatch.models import MODELS
+
+from .conftest import ROOT, child_env, run_python
+
+SIMULATE = ["verify", "--device", "cpu", "--simulate"]
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "npu_autopatch", *args],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+
+
+def test_every_supported_model_verifies_on_the_stand_in():
+    run = cli(*SIMULATE, "--json")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["passed"] is True
+    assert report["environment"]["simulated"] is True
+    assert report["environment"]["transformers"] == transformers.__version__
+    verified = {r["model"] for r in report["results"] if r["status"] == "pass"}
+    absent = {r["model"] for r in report["results"] if r["status"] == "not present"}
+    assert verified | absent == set(MODELS)
+    assert {"llama", "mistral", "qwen2", "qwen3"} <= verified
+    for result in report["results"]:
+        if result["status"] == "pass":
+            assert result["ops_called"].get("npu_rms_norm", 0) > 0, result
+            assert result["dtype"] in ("float32", "bfloat16")
+
+
+def test_the_table_reads_in_ten_seconds_and_ends_with_a_verdict():
+    run = cli(*SIMULATE, "--models", "llama,qwen3", "--dtype", "float32")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].split()[:3] == ["model", "dtype", "result"]
+    assert lines[1].split()[:3] == ["llama", "float32", "pass"]
+    assert lines[2].split()[:3] == ["qwen3", "float32", "pass"]
+    assert lines[-1].startswith("VERIFIED: patched matches stock for every model on cpu")
+
+
+MISWIRED = """
+import sys
+from npu_autopatch.kernels import KERNELS
+from npu_autopatch.__main__ import main
+
+variant = KERNELS["rope"].variants[0]
+build = variant.build
+
+def miswired(stock, npu):  # cos and sin swapped: wrong math
+    right = build(stock, npu)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        return right(q, k, sin, cos, *args, **kwargs)
+    return apply_rotary_pos_emb
+
+variant.build = miswired
+variant.probe = lambda stock, candidate: None  # a probe that sees nothing
+sys.exit(main(["verify", "--device", "cpu", "--simulate", "--models", "llama,qwen3", "--dtype", "float32"]))
+"""
+
+
+def test_a_miswired_kernel_fails_verify_naming_model_and_tensor():
+    run = run_python(MISWIRED)
+    assert run.returncode == 1, run.stdout + run.stderr
+    rows = {line.split()[0]: line for line in run.stdout.splitlines() if line.startswith(("llama", "qwen3"))}
+    assert "FAIL" in rows["llama"] and "FAIL" in rows["qwen3"]
+    assert "logits: error" in rows["qwen3"] or "grad of" in rows["qwen3"]
+    assert run.stdout.splitlines()[-1].startswith("FAILED: llama/float32, qwen3/float32")
+
+
+def test_verify_leaves_patching_as_it_found_it():
+    run = run_python(
+        """
+        import npu_autopatch
+        from npu_autopatch.__main__ import main
+        main(["verify", "--device", "cpu", "--simulate", "--models", "qwen2", "--dtype", "float32"])
+        print("enabled:", npu_autopatch.is_enabled())
+        from transformers.models.qwen2 import modeling_qwen2
+        print("stock:", modeling_qwen2.Qwen2RMSNorm.forward.__module__)
+        """
+    )
+    assert run.returncode == 0, run.stderr
+    assert "enabled: False" in run.stdout
+    assert "stock: transformers.models.qwen2.modeling_qwen2" in run.stdout
+
+
+def test_without_an_npu_verify_says_how_to_simulate():
+    run = cli("verify")
+    assert run.returncode == 2
+    assert "cannot verify: torch_npu not importable" in run.stderr and "--device cpu --simulate" in run.stderr

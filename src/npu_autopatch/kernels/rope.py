@@ -28,6 +28,10 @@ import torch
 from ..models import Kernel, Variant
 from ._probe import agree_strict, first_disagreement, generator, parameters, randn
 
+# A replacement keeps the stock signature, because callers pass the fifth argument
+# positionally (4.x Qwen2-MoE passes position_ids). Each builder therefore writes its body
+# once per signature: sharing one body through a helper would add a Python frame to every
+# rotary call, which the hot path must not have.
 _SIGNATURE_4X = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
 _SIGNATURE_5X = ("q", "k", "cos", "sin", "unsqueeze_dim")
 

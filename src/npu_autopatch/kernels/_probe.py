@@ -71,6 +71,14 @@ def parameters(stock):
         return None
 
 
+def signature_reason(stock, *signatures):
+    """None if the stock callable's parameter names are one of ``signatures``, else why not."""
+    params = parameters(stock)
+    if params in signatures:
+        return None
+    return f"the signature {params} is not {' or '.join(map(str, signatures))}"
+
+
 def _tensors(result):
     return result if isinstance(result, tuple | list) else (result,)
 

@@ -64,7 +64,15 @@ import types
 import torch
 
 from ..models import Kernel, Variant
-from ._probe import agree_strict, first_disagreement, generator, instance, linear, parameters, randn
+from ._probe import (
+    agree_strict,
+    first_disagreement,
+    generator,
+    instance,
+    linear,
+    randn,
+    signature_reason,
+)
 from .mlp import _silu_types
 
 
@@ -265,15 +273,8 @@ def _module(stock, **attributes):
     return instance(getattr(stock, "__wrapped__", stock), **attributes)
 
 
-def _signature(stock, expected):
-    params = parameters(stock)
-    if params != expected:
-        return f"the signature {params} is not {expected}"
-    return None
-
-
 def _probe_experts(stock, candidate):
-    wrong = _signature(stock, ("self", "hidden_states", "top_k_index", "top_k_weights"))
+    wrong = signature_reason(stock, ("self", "hidden_states", "top_k_index", "top_k_weights"))
     if wrong:
         return wrong
     gen = generator()
@@ -302,7 +303,7 @@ def _probe_experts(stock, candidate):
 
 
 def _probe_experts_kn(stock, candidate):
-    wrong = _signature(stock, ("self", "hidden_states", "routing_weights", "router_indices"))
+    wrong = signature_reason(stock, ("self", "hidden_states", "routing_weights", "router_indices"))
     if wrong:
         return wrong
     gen = generator()
@@ -330,7 +331,7 @@ def _probe_experts_kn(stock, candidate):
 
 def _probe_sparse_block(shared):
     def probe(stock, candidate):
-        wrong = _signature(stock, ("self", "hidden_states"))
+        wrong = signature_reason(stock, ("self", "hidden_states"))
         if wrong:
             return wrong
         gen = generator()
@@ -355,7 +356,7 @@ def _probe_sparse_block(shared):
 
 
 def _probe_moe_method(stock, candidate):
-    wrong = _signature(stock, ("self", "hidden_states", "topk_indices", "topk_weights"))
+    wrong = signature_reason(stock, ("self", "hidden_states", "topk_indices", "topk_weights"))
     if wrong:
         return wrong
     gen = generator()

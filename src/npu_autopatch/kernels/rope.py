@@ -26,7 +26,7 @@ cos/sin, so does the replacement (npu_rotary_mul would cast cos/sin down to q's 
 import torch
 
 from ..models import Kernel, Variant
-from ._probe import agree_strict, first_disagreement, generator, parameters, randn
+from ._probe import agree_strict, first_disagreement, generator, parameters, randn, signature_reason
 
 # A replacement keeps the stock signature, because callers pass the fifth argument
 # positionally (4.x Qwen2-MoE passes position_ids). Each builder therefore writes its body
@@ -220,15 +220,8 @@ def _rotates_part(stock, inputs):
     return True
 
 
-def _signature_reason(stock, *signatures):
-    params = parameters(stock)
-    if params in signatures:
-        return None
-    return f"the signature {params} is not {' or '.join(map(str, signatures))}"
-
-
 def _probe_half(stock, candidate):
-    mismatch = _signature_reason(stock, _SIGNATURE_4X, _SIGNATURE_5X)
+    mismatch = signature_reason(stock, _SIGNATURE_4X, _SIGNATURE_5X)
     if mismatch:
         return mismatch
     gen = generator()
@@ -241,7 +234,7 @@ def _probe_half(stock, candidate):
 
 
 def _probe_partial(stock, candidate):
-    mismatch = _signature_reason(stock, _SIGNATURE_4X, _SIGNATURE_5X)
+    mismatch = signature_reason(stock, _SIGNATURE_4X, _SIGNATURE_5X)
     if mismatch:
         return mismatch
     gen = generator()
@@ -254,7 +247,7 @@ def _probe_partial(stock, candidate):
 
 
 def _probe_deinterleave(stock, candidate):
-    mismatch = _signature_reason(stock, _SIGNATURE_4X)
+    mismatch = signature_reason(stock, _SIGNATURE_4X)
     if mismatch:
         return mismatch
     gen = generator()
@@ -262,7 +255,7 @@ def _probe_deinterleave(stock, candidate):
 
 
 def _probe_mrope(stock, candidate):
-    mismatch = _signature_reason(stock, ("q", "k", "cos", "sin", "mrope_section", "unsqueeze_dim"))
+    mismatch = signature_reason(stock, ("q", "k", "cos", "sin", "mrope_section", "unsqueeze_dim"))
     if mismatch:
         return mismatch
     gen = generator()
@@ -272,7 +265,7 @@ def _probe_mrope(stock, candidate):
 
 
 def _probe_vision(stock, candidate):
-    mismatch = _signature_reason(stock, ("q", "k", "cos", "sin"))
+    mismatch = signature_reason(stock, ("q", "k", "cos", "sin"))
     if mismatch:
         return mismatch
     gen = generator()

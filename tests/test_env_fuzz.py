@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 from npu_autopatch._config import FALSE_WORDS, TRUE_WORDS
-from npu_autopatch.models import KERNEL_NAMES, MODELS
+from npu_autopatch._types import KERNEL_NAMES
+from npu_autopatch.models import MODELS
 
 from .conftest import ROOT, STAND_IN_SITE, child_env
 

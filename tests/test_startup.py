@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from npu_autopatch.models import KERNEL_NAMES, MODELS
+from npu_autopatch._types import KERNEL_NAMES
+from npu_autopatch.models import MODELS
 
 from .conftest import ROOT, STAND_IN_SITE, run_python
 

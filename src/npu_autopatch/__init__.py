@@ -10,7 +10,7 @@ Importing this package is cheap (no torch, transformers, wrapt or logging).
 from ._control import disable, enable, is_enabled, status
 from ._errors import PatchError
 from ._registry import register
-from .models import Kernel, Model, Target, Variant
+from ._types import Kernel, Model, Target, Variant
 
 __version__ = "0.1.0"
 __all__ = [

@@ -7,7 +7,8 @@ Bad values passed to enable() raise ValueError, because that is a bug in the cal
 
 import os
 
-from .models import KERNEL_NAMES, MODELS
+from ._types import KERNEL_NAMES
+from .models import MODELS
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")

@@ -21,8 +21,8 @@ import types
 from . import _device, _log
 from ._errors import PatchError
 from ._records import APPLIED, FAILED, OVERRIDDEN, PENDING, REVERTED, SKIPPED, PatchRecord
+from ._types import KERNEL_NAMES
 from .kernels import KERNELS, choose_variant
-from .models import KERNEL_NAMES
 
 
 class _Slot:

@@ -13,7 +13,8 @@ asked, and when a configuration names a model nobody has heard of yet.
 import importlib.metadata
 
 from . import _log
-from .models import MODELS, Model
+from ._types import Model
+from .models import MODELS
 
 GROUP = "npu_autopatch.patches"
 _discovered = False

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import sys
 
-from .models import MODELS, Model
+from ._types import Model
+from .models import MODELS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from .models import Target
+    from ._types import Target
 
 
 def register(

@@ -1,21 +1,21 @@
 """The NPU kernels, each written once and named; the model table says where they go.
 
 Each kernel lives in its own module (norm, mlp, rope, moe) as a ``Kernel`` with one or more
-variants (see ``models.Kernel``). The patcher uses the first variant whose probe agrees with the
+variants (see ``_types.Kernel``). The patcher uses the first variant whose probe agrees with the
 stock code, so a target is only ever replaced by code that reproduces its math, whatever
 the class is called.
 
 Imported at patch time only: it imports torch, which the modeling module already did.
 """
 
-from ..models import KERNEL_NAMES, Kernel, Variant
+from .._types import KERNEL_NAMES, Kernel, Variant
 from .mlp import SWIGLU
 from .moe import MOE
 from .norm import GATED_RMS_NORM, RMS_NORM
 from .rope import ROPE
 
 KERNELS = {kernel.name: kernel for kernel in (RMS_NORM, GATED_RMS_NORM, SWIGLU, ROPE, MOE)}
-assert tuple(KERNELS) == KERNEL_NAMES, "kernels and models.KERNEL_NAMES must list the same kernels"
+assert tuple(KERNELS) == KERNEL_NAMES, "kernels and _types.KERNEL_NAMES must list the same kernels"
 
 __all__ = ["KERNELS", "Kernel", "Variant", "choose_variant", "golden_ops"]
 

@@ -14,7 +14,7 @@ SiLU runs the stock code.
 
 import torch
 
-from ..models import Kernel, Variant
+from .._types import Kernel, Variant
 from ._probe import agree_strict, generator, instance, linear, parameters, randn
 
 

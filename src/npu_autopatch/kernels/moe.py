@@ -63,7 +63,7 @@ import types
 
 import torch
 
-from ..models import Kernel, Variant
+from .._types import Kernel, Variant
 from ._probe import (
     agree_strict,
     first_disagreement,

@@ -17,7 +17,7 @@ is the llama-style norm times silu(gate) in fp32, cast to the input dtype.
 
 import torch
 
-from ..models import Kernel, Variant
+from .._types import Kernel, Variant
 from ._probe import agree_strict, generator, instance, parameters, randn
 
 

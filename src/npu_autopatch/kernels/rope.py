@@ -25,7 +25,7 @@ cos/sin, so does the replacement (npu_rotary_mul would cast cos/sin down to q's 
 
 import torch
 
-from ..models import Kernel, Variant
+from .._types import Kernel, Variant
 from ._probe import agree_strict, first_disagreement, generator, parameters, randn, signature_reason
 
 # A replacement keeps the stock signature, because callers pass the fifth argument

@@ -1,0 +1,85 @@
+"""The public declarative types: a Model names Targets, a Target names a Kernel, a Kernel has Variants.
+
+Pure data, importable at interpreter start (no torch, no typing, no dataclasses). The built-in
+table (models.py), plugins and register() all declare models with these.
+"""
+
+# The built-in kernels, in the order they are reported. The kernels package implements them.
+KERNEL_NAMES = ("rms_norm", "gated_rms_norm", "swiglu", "rope", "moe")
+
+
+class Variant:
+    """One way to implement a kernel: ``build(stock, npu)`` and ``probe(stock, candidate)``.
+
+    ``build`` returns the replacement for the stock function or method; it closes over
+    ``npu`` (the torch_npu module) and calls the fused ops as its attributes, with the
+    documented signatures, unconditionally: no per-call device test, no extra frame.
+    ``probe`` runs the stock code and a candidate built on the CPU golden ops on tiny inputs
+    and returns None when they agree, else why not. ``probe=None`` trusts the variant
+    without checking (for a plugin's own kernel; the parity test is then the only proof).
+    """
+
+    __slots__ = ("build", "name", "probe")
+
+    def __init__(self, name, build, probe=None):
+        self.name = name
+        self.build = build
+        self.probe = probe
+
+
+class Kernel:
+    """A named kernel: the torch_npu ops it needs and its variants, tried in order."""
+
+    __slots__ = ("name", "ops", "variants")
+
+    def __init__(self, name, ops, variants):
+        self.name = name
+        self.ops = tuple(ops)
+        self.variants = tuple(variants)
+
+
+class Target:
+    """One attribute to replace: a kernel (a built-in name or a Kernel) and where it may live."""
+
+    __slots__ = ("kernel", "paths")
+
+    def __init__(self, kernel, *paths):
+        if not isinstance(kernel, Kernel) and kernel not in KERNEL_NAMES:
+            raise ValueError(f"unknown kernel {kernel!r}; built in: {', '.join(KERNEL_NAMES)}")
+        if not paths:
+            raise ValueError("a Target needs at least one path, e.g. 'MyModelRMSNorm.forward'")
+        self.kernel = kernel
+        self.paths = paths
+
+    @property
+    def kernel_name(self):
+        return self.kernel.name if isinstance(self.kernel, Kernel) else self.kernel
+
+    def __repr__(self):
+        return f"Target({self.kernel_name!r}, {', '.join(map(repr, self.paths))})"
+
+
+class Model:
+    """A supported model type and its targets, patched together or not at all.
+
+    ``since`` is the first transformers release that has the model (documentation, and
+    checked by the tests against the installed transformers). ``load``, for a plugin's
+    model, returns the targets when the module is imported (see _plugins.py).
+    """
+
+    __slots__ = ("load", "model_type", "module", "since", "targets")
+
+    def __init__(self, model_type, *targets, module=None, since="4.57", load=None):
+        self.model_type = model_type
+        self.module = module or f"transformers.models.{model_type}.modeling_{model_type}"
+        self.targets = targets
+        self.since = since
+        self.load = load
+
+    @property
+    def kernels(self):
+        names = [t.kernel_name for t in self.targets]
+        return tuple(sorted(set(names), key=lambda n: (KERNEL_NAMES + tuple(names)).index(n)))
+
+    def __repr__(self):
+        return f"Model({self.model_type!r}, {len(self.targets)} targets)"

@@ -33,7 +33,7 @@ def stub_npu(x):
 def build(kernel, stock, npu):
     variant, reason = choose_variant(KERNELS[kernel], stock)
     assert variant is not None, reason
-    return variant.build(stock, npu)
+    return variant.build(stock, npu, None)
 
 
 def ns_per_call(call, number=20000):

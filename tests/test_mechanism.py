@@ -174,7 +174,7 @@ def test_a_target_replaced_after_us_is_reported_and_kept_by_disable(npu_stand_in
 
 
 def _raising_kernel(name):
-    def build(stock, npu):
+    def build(stock, npu, on_error):
         raise RuntimeError("boom at patch time")
 
     return Kernel(name, KERNELS[name].ops, (Variant("broken", build, KERNELS[name].variants[0].probe),))

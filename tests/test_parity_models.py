@@ -220,7 +220,7 @@ def test_a_gelu_mlp_has_no_swiglu_target_and_never_runs_the_kernel(npu_stand_in)
     stock = modeling_gemma3.Gemma3MLP.forward
     variant, _ = choose_variant(KERNELS["swiglu"], stock)
     x = torch.randn(2, 3, config.hidden_size)
-    assert torch.equal(variant.build(stock, npu_stand_in)(mlp, x), stock(mlp, x))
+    assert torch.equal(variant.build(stock, npu_stand_in, None)(mlp, x), stock(mlp, x))
     assert npu_stand_in.calls["npu_swiglu"] == 0
 
 
@@ -258,7 +258,7 @@ def test_the_zero_centred_kernel_rounds_where_stock_does(model_type, name, dtype
     stock = cls.forward
     variant, _ = choose_variant(KERNELS["rms_norm"], stock)
     assert variant.name == "zero-centred"
-    forward = variant.build(stock, npu_stand_in)
+    forward = variant.build(stock, npu_stand_in, None)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 64, generator=gen).to(dtype)
     for weight_dtype in (dtype, torch.float32):

@@ -226,7 +226,7 @@ def test_an_expert_without_rows_between_others(variant, make_module, empty_exper
     torch.manual_seed(0)
     module = make_module(4, 16, 8)
     stock = {"experts": fused_experts(F.silu), "moe-method": moe_method(weighted=True)}[variant]
-    kernel = next(v for v in KERNELS["moe"].variants if v.name == variant).build(stock, npu_stand_in)
+    kernel = next(v for v in KERNELS["moe"].variants if v.name == variant).build(stock, npu_stand_in, None)
     x = torch.randn(12, 16)
     index = torch.tensor([0, 2, 3])[torch.argsort(torch.randn(12, 3), dim=-1)[:, :2]]
     weights = torch.softmax(torch.randn(12, 2), dim=-1)

@@ -53,7 +53,7 @@ def test_register_refuses_an_existing_model_unless_replace(npu_stand_in, registr
 def test_a_custom_kernel_function(npu_stand_in, registry):
     registry.pop("granite", None)
 
-    def build(stock, npu):
+    def build(stock, npu, on_error):
         def forward(self, hidden_states):
             return npu.npu_rms_norm(hidden_states, self.weight, epsilon=self.variance_epsilon)[0]
 

@@ -59,8 +59,8 @@ from npu_autopatch.__main__ import main
 variant = KERNELS["rope"].variants[0]
 build = variant.build
 
-def miswired(stock, npu):  # cos and sin swapped: wrong math
-    right = build(stock, npu)
+def miswired(stock, npu, on_error):  # cos and sin swapped: wrong math
+    right = build(stock, npu, on_error)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         return right(q, k, sin, cos, *args, **kwargs)
     return apply_rotary_pos_emb

@@ -9,33 +9,45 @@ KERNEL_NAMES = ("rms_norm", "gated_rms_norm", "swiglu", "rope", "moe")
 
 
 class Variant:
-    """One way to implement a kernel: ``build(stock, npu)`` and ``probe(stock, candidate)``.
+    """One way to implement a kernel: ``build(stock, npu, on_error)`` and ``probe(stock, candidate)``.
 
     ``build`` returns the replacement for the stock function or method; it closes over
     ``npu`` (the torch_npu module) and calls the fused ops as its attributes, with the
-    documented signatures, unconditionally: no per-call device test, no extra frame.
-    ``probe`` runs the stock code and a candidate built on the CPU golden ops on tiny inputs
-    and returns None when they agree, else why not. ``probe=None`` trusts the variant
-    without checking (for a plugin's own kernel; the parity test is then the only proof).
+    documented signatures: no extra frame. When a fused op raises inside the replacement (a
+    device rule nobody knew), the replacement calls ``on_error(exc, *input_tensors)`` and
+    returns the stock result for that call; the patcher's ``on_error`` puts the stock code
+    back for the rest of the process and reports it. ``probe`` runs the stock code and a
+    candidate built on the CPU reference ops on tiny inputs and returns None when they
+    agree, else why not. ``probe=None`` trusts the variant without checking (for a
+    plugin's own kernel; the parity test is then the only proof). ``requires(npu)``, when
+    given, returns None if the installed torch_npu can run this variant, else why not.
     """
 
-    __slots__ = ("build", "name", "probe")
+    __slots__ = ("build", "name", "probe", "requires")
 
-    def __init__(self, name, build, probe=None):
+    def __init__(self, name, build, probe=None, requires=None):
         self.name = name
         self.build = build
         self.probe = probe
+        self.requires = requires
 
 
 class Kernel:
-    """A named kernel: the torch_npu ops it needs and its variants, tried in order."""
+    """A named kernel: the torch_npu ops it needs and its variants, tried in order.
 
-    __slots__ = ("name", "ops", "variants")
+    ``requires(npu)``, when given, returns None if the installed torch_npu can run this
+    kernel, else a reason naming the missing capability and the first release that has
+    it. It must not run an op on the device (that would open a device context in every
+    rank at import): it reads the version or asks the dispatcher what is registered.
+    """
 
-    def __init__(self, name, ops, variants):
+    __slots__ = ("name", "ops", "requires", "variants")
+
+    def __init__(self, name, ops, variants, requires=None):
         self.name = name
         self.ops = tuple(ops)
         self.variants = tuple(variants)
+        self.requires = requires
 
 
 class Target:

@@ -32,13 +32,18 @@ def golden_ops():
     return _golden_ops
 
 
+def _reraise(exc, *tensors):
+    """A probe's on_error: a candidate whose fused op raises is refused, not rescued."""
+    raise exc
+
+
 def choose_variant(kernel, stock):
     """(variant, None) for the first variant that reproduces ``stock``, else (None, reasons)."""
     reasons = []
     for variant in kernel.variants:
         if variant.probe is None:  # a plugin's kernel that chose to go unchecked
             return variant, None
-        candidate = variant.build(stock, golden_ops())
+        candidate = variant.build(stock, golden_ops(), _reraise)
         reason = variant.probe(stock, candidate)
         if reason is None:
             return variant, None

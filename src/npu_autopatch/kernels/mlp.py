@@ -39,7 +39,7 @@ def _with_stock_names(forward, stock):
     return forward
 
 
-def _build_separate(stock, npu):
+def _build_separate(stock, npu, on_error):
     silu_types = _silu_types()
     cat = torch.cat
 
@@ -64,7 +64,7 @@ def _probe_separate(stock, candidate):
     return agree_strict(lambda: stock(mlp, x), lambda: candidate(mlp, x))
 
 
-def _build_fused(stock, npu):
+def _build_fused(stock, npu, on_error):
     silu_types = _silu_types()
 
     def forward(self, hidden_states):

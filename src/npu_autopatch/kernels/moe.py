@@ -148,7 +148,7 @@ def _stacked(experts, top_k_index):
 # --- builds ---------------------------------------------------------------------------
 
 
-def _build_experts(stock, npu):
+def _build_experts(stock, npu, on_error):
     silu_types = _silu_types()
     routed_experts = _routed_experts(npu)
 
@@ -175,7 +175,7 @@ def _build_experts(stock, npu):
     return forward
 
 
-def _build_experts_kn(stock, npu):
+def _build_experts_kn(stock, npu, on_error):
     silu_types = _silu_types()
     routed_experts = _routed_experts(npu)
 
@@ -195,7 +195,7 @@ def _build_experts_kn(stock, npu):
 
 
 def _build_sparse_block(shared):
-    def build(stock, npu):
+    def build(stock, npu, on_error):
         silu_types = _silu_types()
         routed_experts = _routed_experts(npu)
         softmax, sigmoid, topk, float32 = torch.softmax, torch.sigmoid, torch.topk, torch.float32
@@ -225,7 +225,7 @@ def _build_sparse_block(shared):
     return build
 
 
-def _build_moe_method(stock, npu):
+def _build_moe_method(stock, npu, on_error):
     silu_types = _silu_types()
     routed_experts = _routed_experts(npu)
 

@@ -21,7 +21,7 @@ from .._types import Kernel, Variant
 from ._probe import agree_strict, generator, instance, parameters, randn
 
 
-def _build_llama(stock, npu):
+def _build_llama(stock, npu, on_error):
     float32 = torch.float32
 
     def forward(self, hidden_states):
@@ -45,7 +45,7 @@ def _probe_llama(stock, candidate):
     return agree_strict(lambda: stock(norm, x), lambda: candidate(norm, x))
 
 
-def _build_zero_centred(stock, npu):
+def _build_zero_centred(stock, npu, on_error):
     def forward(self, x):
         # gamma is fp32 whatever the weight dtype: (x dtype, fp32) is a supported pair for every
         # float x, and the product is rounded once, after the multiply, as stock does.
@@ -73,7 +73,7 @@ RMS_NORM = Kernel(
 )
 
 
-def _build_gated(stock, npu):
+def _build_gated(stock, npu, on_error):
     float32 = torch.float32
     promote = torch.promote_types
     silu = torch.nn.functional.silu

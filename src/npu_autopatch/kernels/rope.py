@@ -36,7 +36,7 @@ _SIGNATURE_4X = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
 _SIGNATURE_5X = ("q", "k", "cos", "sin", "unsqueeze_dim")
 
 
-def _build_half(stock, npu):
+def _build_half(stock, npu, on_error):
     promote = torch.promote_types
 
     if parameters(stock) == _SIGNATURE_4X:
@@ -60,7 +60,7 @@ def _build_half(stock, npu):
     return apply_rotary_pos_emb
 
 
-def _build_partial(stock, npu):
+def _build_partial(stock, npu, on_error):
     promote = torch.promote_types
     cat = torch.cat
 
@@ -91,7 +91,7 @@ def _build_partial(stock, npu):
     return apply_rotary_pos_emb
 
 
-def _build_interleave(stock, npu):
+def _build_interleave(stock, npu, on_error):
     promote = torch.promote_types
     cat = torch.cat
 
@@ -141,7 +141,7 @@ def _build_interleave(stock, npu):
     return apply_rotary_pos_emb
 
 
-def _build_deinterleave(stock, npu):
+def _build_deinterleave(stock, npu, on_error):
     promote = torch.promote_types
 
     def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -156,7 +156,7 @@ def _build_deinterleave(stock, npu):
     return apply_rotary_pos_emb_interleave
 
 
-def _build_mrope(stock, npu):
+def _build_mrope(stock, npu, on_error):
     promote = torch.promote_types
     cat = torch.cat
 
@@ -174,7 +174,7 @@ def _build_mrope(stock, npu):
     return apply_multimodal_rotary_pos_emb
 
 
-def _build_vision(stock, npu):
+def _build_vision(stock, npu, on_error):
     float32 = torch.float32
 
     def apply_rotary_pos_emb_vision(q, k, cos, sin):

@@ -9,6 +9,7 @@ Imported at patch time only: it imports torch, which the modeling module already
 """
 
 from .._types import KERNEL_NAMES, Kernel, Variant
+from . import _reference
 from .mlp import SWIGLU
 from .moe import MOE
 from .norm import GATED_RMS_NORM, RMS_NORM
@@ -19,17 +20,10 @@ assert tuple(KERNELS) == KERNEL_NAMES, "kernels and _types.KERNEL_NAMES must lis
 
 __all__ = ["KERNELS", "Kernel", "Variant", "choose_variant", "golden_ops"]
 
-_golden_ops = None
-
 
 def golden_ops():
-    """A private CPU stand-in for torch_npu, used by the probes (never installed in sys.modules)."""
-    global _golden_ops
-    if _golden_ops is None:
-        from ..testing import make_torch_npu
-
-        _golden_ops = make_torch_npu()
-    return _golden_ops
+    """The CPU reference math of the torch_npu ops (``_reference``): what the probes build candidates on."""
+    return _reference
 
 
 def _reraise(exc, *tensors):

@@ -2,13 +2,11 @@
 
 The variants, one per form of the stock code (the probe tells them apart):
 
-- ``half``: the standard form over the full head dim, q * cos + rotate_half(q) * sin: 'half'
-  mode with cos/sin unsqueezed to broadcast over heads.
+- ``half``: the standard form over the full head dim, q * cos + rotate_half(q) * sin: 'half' mode.
 - ``partial`` (Qwen3-Next, Qwen3.5, GLM-4-MoE): only the first ``cos.shape[-1]`` dims rotate,
   the rest passes through; the rotated part is the ``half`` form.
 - ``interleave`` (GLM-4): partial, with cos/sin's first half repeated element-wise and an
-  even/odd rotate_half: exactly 'interleave' mode. That mode takes cos as [T, 1, D] only (for a
-  4-D input, [1, 1, S, D], i.e. batch 1), so batch and sequence are flattened into T.
+  even/odd rotate_half: exactly 'interleave' mode.
 - ``deinterleave`` (DeepSeek-V3 ``apply_rotary_pos_emb_interleave``, its default path): the
   pairs (x0, x1), (x2, x3) ... rotate together and come out de-interleaved (evens, then odds),
   i.e. the ``half`` form applied to the de-interleaved input. cos is HF's cat(freqs, freqs):
@@ -16,11 +14,33 @@ The variants, one per form of the stock code (the probe tells them apart):
 - ``mrope`` (Qwen2.5-VL ``apply_multimodal_rotary_pos_emb``, up to 5.16): cos/sin [3, B, S, D]
   are mixed by ``mrope_section`` first, then it is the ``half`` form.
 - ``vision`` (``apply_rotary_pos_emb_vision``): q/k [S, N, D] and cos [S, D], computed in fp32
-  and cast back: 'half' mode on a 3-D input with cos [S, 1, D].
+  and cast back.
 
-A replacement keeps the stock signature: 4.x has a ``position_ids`` parameter (ignored;
-Qwen2-MoE passes it positionally), 5.x does not. Where stock promotes q/k to the dtype of
-cos/sin, so does the replacement (npu_rotary_mul would cast cos/sin down to q's dtype).
+The layouts. The device's kernel infers its layout from which dims of cos broadcast against x
+(hicann/ops-transformer, rope_rotate_half_tiling.cpp ChooseTilingMode) and takes 4-D input only.
+HF's own layout, q [B, N, S, D] with cos [B or 1, 1, S, D], is refused in two ways: the forward
+refuses "BNSD" with a batch-1 cos when B*N is large against S (CheckBnsdBlockSkip: many short
+sequences, small rotary dims), and the backward has no layout for a per-batch cos when B >= S
+(rope_half_grad_tiling.cpp RopeHalfGradSelectLayout). So every variant hands the kernel one of
+two layouts that both tables accept for every B, S, N and D:
+
+- A: x [B, S, N, D] (q transposed, a view) with a batch-1 cos [1, S, 1, D] ("BSND" / "1S1D" in
+  both tables; B = 1 and S = 1 fall into their no-broadcast and "SB1D" rows), used when cos has
+  batch 1 and B*N < 1000 (the documented limits: B, N < 1000; B*N < 1000 in interleave mode;
+  B*N <= 1024 when cos needs a gradient);
+- B: batch and sequence flattened into one axis, x [1, B*S, N, D] with cos [1, B*S, 1, D]
+  (forward: "r BS1D"; backward: "BSND/BS1D" with 1 < B*S, or "SBND/SB1D" when B*S = 1), for a
+  per-batch cos (position_ids given: packed sequences, verl), for B*N >= 1000, for interleave
+  mode with a per-batch cos (that mode takes batch-1 cos only), and for the vision tower.
+
+A call the kernel cannot take even so (a head dim >= 896 or odd, not 4-D, empty, cos that does
+not match q's sequence or head dim) runs the stock code for that call: a few integer
+comparisons, measured in benchmarks/call_overhead.py. If the op still raises (a rule nobody
+knew), the replacement reports it through ``on_error`` and returns the stock result.
+
+A replacement keeps the stock signature: 4.x has a ``position_ids`` parameter (ignored; Qwen2-MoE
+passes it positionally), 5.x does not; see ``_stock_signature``. Where stock promotes q/k to the
+dtype of cos/sin, so does the replacement (npu_rotary_mul would cast cos/sin down to q's dtype).
 """
 
 import torch
@@ -28,130 +48,181 @@ import torch
 from .._types import Kernel, Variant
 from ._probe import agree_strict, first_disagreement, generator, parameters, randn, signature_reason
 
-# A replacement keeps the stock signature, because callers pass the fifth argument
-# positionally (4.x Qwen2-MoE passes position_ids). Each builder therefore writes its body
-# once per signature: sharing one body through a helper would add a Python frame to every
-# rotary call, which the hot path must not have.
 _SIGNATURE_4X = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
 _SIGNATURE_5X = ("q", "k", "cos", "sin", "unsqueeze_dim")
 
+# The head dim the kernels take: even and at most 896 (rope_rotate_half_tiling.cpp
+# D_LENGTH_LIMIT, rope_half_grad_tiling.cpp D_THRESHOLD); interleave mode is documented as < 896.
+_HEAD_DIM_LIMIT = 896
+# Layout A's bound on B*N (the documented B, N < 1000 of half mode and B*N < 1000 of interleave
+# mode); layout B has B = 1 and needs N < 1000.
+_BATCH_HEADS_LIMIT = 1000
+
+
+def _stock_signature(replacement, takes_position_ids):
+    """``replacement`` with the stock parameters: one definition serves 4.x and 5.x, with no wrapper.
+
+    Each replacement is written once as ``(q, k, cos, sin, fifth=1, sixth=1)`` and reads its
+    unsqueeze dim as ``sixth if takes_position_ids else fifth``. For 4.x its code gets the names
+    ``(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``; for 5.x five parameters
+    ``(q, k, cos, sin, unsqueeze_dim=1)``, ``sixth`` becoming a local it never reads. Only names
+    and the argument count change, not the bytecode, so keyword and positional calls bind as
+    they do for the stock function.
+    """
+    code = replacement.__code__
+    local_names = code.co_varnames[6:]
+    if takes_position_ids:
+        replacement.__code__ = code.replace(co_varnames=(*_SIGNATURE_4X, *local_names))
+        replacement.__defaults__ = (None, 1)
+    else:
+        replacement.__code__ = code.replace(co_argcount=5, co_varnames=(*_SIGNATURE_5X, "_", *local_names))
+        replacement.__defaults__ = (1,)
+    return replacement
+
 
 def _build_half(stock, npu, on_error):
+    takes_position_ids = parameters(stock) == _SIGNATURE_4X
     promote = torch.promote_types
 
-    if parameters(stock) == _SIGNATURE_4X:
-
-        def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-            cos = cos.unsqueeze(unsqueeze_dim)
-            sin = sin.unsqueeze(unsqueeze_dim)
+    def apply_rotary_pos_emb(q, k, cos, sin, fifth=1, sixth=1):
+        unsqueeze_dim = sixth if takes_position_ids else fifth
+        qs, cs = q.shape, cos.shape
+        if not (
+            len(qs) == 4
+            and len(cs) == 3
+            and 0 < unsqueeze_dim < 3
+            and cs[1] == qs[3 - unsqueeze_dim]
+            and cs[2] == qs[3] < _HEAD_DIM_LIMIT
+            and not qs[3] & 1
+            and (cs[0] == 1 or cs[0] == qs[0])
+            and qs[0] * cs[1]
+        ):
+            return stock(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        try:
+            xq, xk = q, k
             if cos.dtype != q.dtype:  # stock promotes; npu_rotary_mul would cast cos down
-                q, k = q.to(promote(q.dtype, cos.dtype)), k.to(promote(k.dtype, cos.dtype))
-            return npu.npu_rotary_mul(q, cos, sin), npu.npu_rotary_mul(k, cos, sin)
+                xq, xk = q.to(promote(q.dtype, cos.dtype)), k.to(promote(k.dtype, cos.dtype))
+            if unsqueeze_dim == 1:
+                xq, xk = xq.transpose(1, 2), xk.transpose(1, 2)  # [B, S, N, D]
+            batch, seq, dim = qs[0], cs[1], cs[2]
+            if cs[0] == 1 and batch * qs[unsqueeze_dim] < _BATCH_HEADS_LIMIT:  # layout A
+                c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+                oq, ok = npu.npu_rotary_mul(xq, c, s), npu.npu_rotary_mul(xk, c, s)
+            else:  # layout B
+                tokens = batch * seq
+                c = cos.expand(batch, seq, dim).reshape(1, tokens, 1, dim)
+                s = sin.expand(batch, seq, dim).reshape(1, tokens, 1, dim)
+                oq = npu.npu_rotary_mul(xq.reshape(1, tokens, -1, dim), c, s).view(batch, seq, -1, dim)
+                ok = npu.npu_rotary_mul(xk.reshape(1, tokens, -1, dim), c, s).view(batch, seq, -1, dim)
+            if unsqueeze_dim == 1:
+                oq, ok = oq.transpose(1, 2), ok.transpose(1, 2)
+        except Exception as exc:
+            on_error(exc, q, k, cos, sin)
+            return stock(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return oq, ok
 
-        return apply_rotary_pos_emb
-
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # the 5.x signature
-        cos = cos.unsqueeze(unsqueeze_dim)
-        sin = sin.unsqueeze(unsqueeze_dim)
-        if cos.dtype != q.dtype:
-            q, k = q.to(promote(q.dtype, cos.dtype)), k.to(promote(k.dtype, cos.dtype))
-        return npu.npu_rotary_mul(q, cos, sin), npu.npu_rotary_mul(k, cos, sin)
-
-    return apply_rotary_pos_emb
+    return _stock_signature(apply_rotary_pos_emb, takes_position_ids)
 
 
-def _build_partial(stock, npu, on_error):
+def _build_partial(stock, npu, on_error, mode="half"):
+    takes_position_ids = parameters(stock) == _SIGNATURE_4X
     promote = torch.promote_types
     cat = torch.cat
+    interleave = mode == "interleave"
 
-    if parameters(stock) == _SIGNATURE_4X:
-
-        def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-            cos = cos.unsqueeze(unsqueeze_dim)
-            sin = sin.unsqueeze(unsqueeze_dim)
+    def apply_rotary_pos_emb(q, k, cos, sin, fifth=1, sixth=1):
+        unsqueeze_dim = sixth if takes_position_ids else fifth
+        qs, cs = q.shape, cos.shape
+        if not (
+            len(qs) == 4
+            and len(cs) == 3
+            and 0 < unsqueeze_dim < 3
+            and cs[1] == qs[3 - unsqueeze_dim]
+            and cs[2] <= qs[3]
+            and cs[2] < _HEAD_DIM_LIMIT
+            and not cs[2] & 1
+            and (cs[0] == 1 or cs[0] == qs[0])
+            and qs[0] * cs[1] * cs[2]
+        ):
+            return stock(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        try:
+            c, s = cos, sin
+            if interleave:  # GLM-4: the first half of cos, each angle repeated for its pair
+                c = c[..., : cs[2] // 2].repeat_interleave(2, dim=-1)
+                s = s[..., : cs[2] // 2].repeat_interleave(2, dim=-1)
+            xq, xk = q, k
             if cos.dtype != q.dtype:
-                q, k = q.to(promote(q.dtype, cos.dtype)), k.to(promote(k.dtype, cos.dtype))
-            rotary_dim = cos.shape[-1]
-            q_embed = npu.npu_rotary_mul(q[..., :rotary_dim], cos, sin)
-            k_embed = npu.npu_rotary_mul(k[..., :rotary_dim], cos, sin)
-            return cat((q_embed, q[..., rotary_dim:]), dim=-1), cat((k_embed, k[..., rotary_dim:]), dim=-1)
+                xq, xk = q.to(promote(q.dtype, cos.dtype)), k.to(promote(k.dtype, cos.dtype))
+            batch, seq, rot = qs[0], cs[1], cs[2]
+            xq, xk = xq[..., :rot], xk[..., :rot]
+            if unsqueeze_dim == 1:
+                xq, xk = xq.transpose(1, 2), xk.transpose(1, 2)  # [B, S, N, R]
+            if cs[0] == 1 and batch * qs[unsqueeze_dim] < _BATCH_HEADS_LIMIT:  # layout A
+                c, s = c.unsqueeze(2), s.unsqueeze(2)
+                oq, ok = npu.npu_rotary_mul(xq, c, s, mode), npu.npu_rotary_mul(xk, c, s, mode)
+            else:  # layout B
+                tokens = batch * seq
+                c = c.expand(batch, seq, rot).reshape(1, tokens, 1, rot)
+                s = s.expand(batch, seq, rot).reshape(1, tokens, 1, rot)
+                oq = npu.npu_rotary_mul(xq.reshape(1, tokens, -1, rot), c, s, mode).view(batch, seq, -1, rot)
+                ok = npu.npu_rotary_mul(xk.reshape(1, tokens, -1, rot), c, s, mode).view(batch, seq, -1, rot)
+            if unsqueeze_dim == 1:
+                oq, ok = oq.transpose(1, 2), ok.transpose(1, 2)
+            oq = cat((oq, q[..., rot:].to(oq.dtype)), dim=-1)
+            ok = cat((ok, k[..., rot:].to(ok.dtype)), dim=-1)
+        except Exception as exc:
+            on_error(exc, q, k, cos, sin)
+            return stock(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return oq, ok
 
-        return apply_rotary_pos_emb
-
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        cos = cos.unsqueeze(unsqueeze_dim)
-        sin = sin.unsqueeze(unsqueeze_dim)
-        if cos.dtype != q.dtype:
-            q, k = q.to(promote(q.dtype, cos.dtype)), k.to(promote(k.dtype, cos.dtype))
-        rotary_dim = cos.shape[-1]
-        q_embed = npu.npu_rotary_mul(q[..., :rotary_dim], cos, sin)
-        k_embed = npu.npu_rotary_mul(k[..., :rotary_dim], cos, sin)
-        return cat((q_embed, q[..., rotary_dim:]), dim=-1), cat((k_embed, k[..., rotary_dim:]), dim=-1)
-
-    return apply_rotary_pos_emb
+    return _stock_signature(apply_rotary_pos_emb, takes_position_ids)
 
 
 def _build_interleave(stock, npu, on_error):
-    promote = torch.promote_types
-    cat = torch.cat
-
-    if parameters(stock) == _SIGNATURE_4X:
-
-        def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-            # [..., S, 1, R] after moving the heads axis last but one; then flattened to T.
-            cos = cos.unsqueeze(unsqueeze_dim).movedim(unsqueeze_dim, -2)
-            sin = sin.unsqueeze(unsqueeze_dim).movedim(unsqueeze_dim, -2)
-            cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
-            sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-            if cos.dtype != q.dtype:
-                q, k = q.to(promote(q.dtype, cos.dtype)), k.to(promote(k.dtype, cos.dtype))
-            rotary_dim = cos.shape[-1]
-            q_rot = q[..., :rotary_dim].movedim(unsqueeze_dim, -2)
-            k_rot = k[..., :rotary_dim].movedim(unsqueeze_dim, -2)
-            lead = q_rot.shape[:-2]
-            cos = cos.expand(*lead, 1, rotary_dim).reshape(-1, 1, rotary_dim)
-            sin = sin.expand(*lead, 1, rotary_dim).reshape(-1, 1, rotary_dim)
-            q_embed = npu.npu_rotary_mul(q_rot.reshape(-1, *q_rot.shape[-2:]), cos, sin, "interleave")
-            k_embed = npu.npu_rotary_mul(k_rot.reshape(-1, *k_rot.shape[-2:]), cos, sin, "interleave")
-            q_embed = q_embed.view(q_rot.shape).movedim(-2, unsqueeze_dim)
-            k_embed = k_embed.view(k_rot.shape).movedim(-2, unsqueeze_dim)
-            return cat((q_embed, q[..., rotary_dim:]), dim=-1), cat((k_embed, k[..., rotary_dim:]), dim=-1)
-
-        return apply_rotary_pos_emb
-
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        cos = cos.unsqueeze(unsqueeze_dim).movedim(unsqueeze_dim, -2)
-        sin = sin.unsqueeze(unsqueeze_dim).movedim(unsqueeze_dim, -2)
-        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
-        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-        if cos.dtype != q.dtype:
-            q, k = q.to(promote(q.dtype, cos.dtype)), k.to(promote(k.dtype, cos.dtype))
-        rotary_dim = cos.shape[-1]
-        q_rot = q[..., :rotary_dim].movedim(unsqueeze_dim, -2)
-        k_rot = k[..., :rotary_dim].movedim(unsqueeze_dim, -2)
-        lead = q_rot.shape[:-2]
-        cos = cos.expand(*lead, 1, rotary_dim).reshape(-1, 1, rotary_dim)
-        sin = sin.expand(*lead, 1, rotary_dim).reshape(-1, 1, rotary_dim)
-        q_embed = npu.npu_rotary_mul(q_rot.reshape(-1, *q_rot.shape[-2:]), cos, sin, "interleave")
-        k_embed = npu.npu_rotary_mul(k_rot.reshape(-1, *k_rot.shape[-2:]), cos, sin, "interleave")
-        q_embed = q_embed.view(q_rot.shape).movedim(-2, unsqueeze_dim)
-        k_embed = k_embed.view(k_rot.shape).movedim(-2, unsqueeze_dim)
-        return cat((q_embed, q[..., rotary_dim:]), dim=-1), cat((k_embed, k[..., rotary_dim:]), dim=-1)
-
-    return apply_rotary_pos_emb
+    return _build_partial(stock, npu, on_error, mode="interleave")
 
 
 def _build_deinterleave(stock, npu, on_error):
     promote = torch.promote_types
 
     def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        cos = cos.unsqueeze(unsqueeze_dim)
-        sin = sin.unsqueeze(unsqueeze_dim)
-        if cos.dtype != q.dtype:
-            q, k = q.to(promote(q.dtype, cos.dtype)), k.to(promote(k.dtype, cos.dtype))
-        q = q.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # evens, then odds
-        k = k.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-        return npu.npu_rotary_mul(q, cos, sin), npu.npu_rotary_mul(k, cos, sin)
+        qs, cs = q.shape, cos.shape
+        if not (
+            len(qs) == 4
+            and len(cs) == 3
+            and 0 < unsqueeze_dim < 3
+            and cs[1] == qs[3 - unsqueeze_dim]
+            and cs[2] == qs[3] < _HEAD_DIM_LIMIT
+            and not qs[3] & 1
+            and (cs[0] == 1 or cs[0] == qs[0])
+            and qs[0] * cs[1]
+        ):
+            return stock(q, k, cos, sin, position_ids, unsqueeze_dim)
+        try:
+            xq, xk = q, k
+            if cos.dtype != q.dtype:
+                xq, xk = q.to(promote(q.dtype, cos.dtype)), k.to(promote(k.dtype, cos.dtype))
+            if unsqueeze_dim == 1:
+                xq, xk = xq.transpose(1, 2), xk.transpose(1, 2)  # [B, S, N, D]
+            # The pairs (x0, x1), (x2, x3) ... de-interleaved: evens, then odds.
+            xq = xq.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+            xk = xk.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+            batch, seq, dim = qs[0], cs[1], cs[2]
+            if cs[0] == 1 and batch * qs[unsqueeze_dim] < _BATCH_HEADS_LIMIT:  # layout A
+                c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+                oq, ok = npu.npu_rotary_mul(xq, c, s), npu.npu_rotary_mul(xk, c, s)
+            else:  # layout B
+                tokens = batch * seq
+                c = cos.expand(batch, seq, dim).reshape(1, tokens, 1, dim)
+                s = sin.expand(batch, seq, dim).reshape(1, tokens, 1, dim)
+                oq = npu.npu_rotary_mul(xq.reshape(1, tokens, -1, dim), c, s).view(batch, seq, -1, dim)
+                ok = npu.npu_rotary_mul(xk.reshape(1, tokens, -1, dim), c, s).view(batch, seq, -1, dim)
+            if unsqueeze_dim == 1:
+                oq, ok = oq.transpose(1, 2), ok.transpose(1, 2)
+        except Exception as exc:
+            on_error(exc, q, k, cos, sin)
+            return stock(q, k, cos, sin, position_ids, unsqueeze_dim)
+        return oq, ok
 
     return apply_rotary_pos_emb_interleave
 
@@ -162,14 +233,43 @@ def _build_mrope(stock, npu, on_error):
 
     def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
         # Section i of the head dim takes its angles from axis i % 3 (temporal, height, width).
-        mrope_section = mrope_section * 2
-        cos = cat([m[i % 3] for i, m in enumerate(cos.split(mrope_section, dim=-1))], dim=-1)
-        sin = cat([m[i % 3] for i, m in enumerate(sin.split(mrope_section, dim=-1))], dim=-1)
-        cos = cos.unsqueeze(unsqueeze_dim)
-        sin = sin.unsqueeze(unsqueeze_dim)
-        if cos.dtype != q.dtype:
-            q, k = q.to(promote(q.dtype, cos.dtype)), k.to(promote(k.dtype, cos.dtype))
-        return npu.npu_rotary_mul(q, cos, sin), npu.npu_rotary_mul(k, cos, sin)
+        sections = mrope_section * 2
+        c = cat([m[i % 3] for i, m in enumerate(cos.split(sections, dim=-1))], dim=-1)
+        s = cat([m[i % 3] for i, m in enumerate(sin.split(sections, dim=-1))], dim=-1)
+        qs, cs = q.shape, c.shape
+        if not (
+            len(qs) == 4
+            and len(cs) == 3
+            and 0 < unsqueeze_dim < 3
+            and cs[1] == qs[3 - unsqueeze_dim]
+            and cs[2] == qs[3] < _HEAD_DIM_LIMIT
+            and not qs[3] & 1
+            and (cs[0] == 1 or cs[0] == qs[0])
+            and qs[0] * cs[1]
+        ):
+            return stock(q, k, cos, sin, mrope_section, unsqueeze_dim)
+        try:
+            xq, xk = q, k
+            if c.dtype != q.dtype:
+                xq, xk = q.to(promote(q.dtype, c.dtype)), k.to(promote(k.dtype, c.dtype))
+            if unsqueeze_dim == 1:
+                xq, xk = xq.transpose(1, 2), xk.transpose(1, 2)  # [B, S, N, D]
+            batch, seq, dim = qs[0], cs[1], cs[2]
+            if cs[0] == 1 and batch * qs[unsqueeze_dim] < _BATCH_HEADS_LIMIT:  # layout A
+                c, s = c.unsqueeze(2), s.unsqueeze(2)
+                oq, ok = npu.npu_rotary_mul(xq, c, s), npu.npu_rotary_mul(xk, c, s)
+            else:  # layout B: 3-D positions give every sample its own angles
+                tokens = batch * seq
+                c = c.expand(batch, seq, dim).reshape(1, tokens, 1, dim)
+                s = s.expand(batch, seq, dim).reshape(1, tokens, 1, dim)
+                oq = npu.npu_rotary_mul(xq.reshape(1, tokens, -1, dim), c, s).view(batch, seq, -1, dim)
+                ok = npu.npu_rotary_mul(xk.reshape(1, tokens, -1, dim), c, s).view(batch, seq, -1, dim)
+            if unsqueeze_dim == 1:
+                oq, ok = oq.transpose(1, 2), ok.transpose(1, 2)
+        except Exception as exc:
+            on_error(exc, q, k, cos, sin)
+            return stock(q, k, cos, sin, mrope_section, unsqueeze_dim)
+        return oq, ok
 
     return apply_multimodal_rotary_pos_emb
 
@@ -178,11 +278,26 @@ def _build_vision(stock, npu, on_error):
     float32 = torch.float32
 
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
-        cos = cos.unsqueeze(-2).to(float32)  # [S, 1, D] for q/k [S, N, D]
-        sin = sin.unsqueeze(-2).to(float32)
-        q_embed = npu.npu_rotary_mul(q.to(float32), cos, sin).to(q.dtype)
-        k_embed = npu.npu_rotary_mul(k.to(float32), cos, sin).to(k.dtype)
-        return q_embed, k_embed
+        qs, cs = q.shape, cos.shape
+        if not (
+            len(qs) == 3
+            and len(cs) == 2
+            and cs[0] == qs[0]
+            and cs[1] == qs[2] < _HEAD_DIM_LIMIT
+            and not qs[2] & 1
+            and qs[0]
+            and qs[1] < _BATCH_HEADS_LIMIT
+        ):
+            return stock(q, k, cos, sin)
+        try:
+            # Layout B with B = 1: q/k [1, S, N, D], cos [1, S, 1, D]; in fp32, as stock computes.
+            c, s = cos[None, :, None, :].to(float32), sin[None, :, None, :].to(float32)
+            oq = npu.npu_rotary_mul(q.to(float32).unsqueeze(0), c, s)[0].to(q.dtype)
+            ok = npu.npu_rotary_mul(k.to(float32).unsqueeze(0), c, s)[0].to(k.dtype)
+        except Exception as exc:
+            on_error(exc, q, k, cos, sin)
+            return stock(q, k, cos, sin)
+        return oq, ok
 
     return apply_rotary_pos_emb_vision
 
@@ -199,6 +314,11 @@ def rope_inputs(gen, rotary_dim, head_dim=8):
     q = randn(gen, 2, 2, 3, head_dim)
     k = randn(gen, 2, 1, 3, head_dim)
     return (q, k, *_angles(gen, 2, 3, rotary_dim))
+
+
+def _batch_one(q, k, cos, sin):
+    """The same inputs with HF's default batch-1 cos/sin (position_ids not given)."""
+    return q, k, cos[:1], sin[:1]
 
 
 def _bsnd(q, k, cos, sin):
@@ -229,7 +349,9 @@ def _probe_half(stock, candidate):
     if _rotates_part(stock, partial):
         return "stock rotates only the first cos.shape[-1] dims of the head (partial rotary)"
     return first_disagreement(
-        _compare(stock, candidate, full), _compare(stock, candidate, _bsnd(*full), unsqueeze_dim=2)
+        _compare(stock, candidate, full),
+        _compare(stock, candidate, _batch_one(*full)),
+        _compare(stock, candidate, _bsnd(*full), unsqueeze_dim=2),
     )
 
 
@@ -241,6 +363,7 @@ def _probe_partial(stock, candidate):
     full, partial = rope_inputs(gen, rotary_dim=8), rope_inputs(gen, rotary_dim=4)
     return first_disagreement(
         _compare(stock, candidate, partial),
+        _compare(stock, candidate, _batch_one(*partial)),
         _compare(stock, candidate, _bsnd(*partial), unsqueeze_dim=2),
         _compare(stock, candidate, full),
     )
@@ -251,7 +374,10 @@ def _probe_deinterleave(stock, candidate):
     if mismatch:
         return mismatch
     gen = generator()
-    return _compare(stock, candidate, rope_inputs(gen, rotary_dim=8))
+    inputs = rope_inputs(gen, rotary_dim=8)
+    return first_disagreement(
+        _compare(stock, candidate, inputs), _compare(stock, candidate, _batch_one(*inputs))
+    )
 
 
 def _probe_mrope(stock, candidate):

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from npu_autopatch.testing import DEFAULT
+
 from .conftest import ROOT, child_env
 
 DENSE = ["llama", "mistral", "qwen2", "qwen3"]
@@ -33,7 +35,7 @@ def test_check_json_is_machine_readable_and_names_the_environment():
     run = cli("check", "--simulate", "--json")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
-    assert report["environment"]["torch_npu"] == "0.0.0+cpu.standin"
+    assert report["environment"]["torch_npu"] == DEFAULT.torch_npu  # the stand-in's default profile
     assert report["environment"]["transformers"]
     assert all(report["models"][m]["state"] == "applied" for m in DENSE)
     assert report["models"]["qwen3"]["targets"][0].endswith("modeling_qwen3:Qwen3RMSNorm.forward")

@@ -1,7 +1,8 @@
 """Tests of the torch_npu CPU stand-in (npu_autopatch.testing) against independent reference computations.
 
 Every golden here is written from the formulas in torch_npu_ops.md (or HF's own code), not by calling the
-stand-in's helpers, so a wrong stand-in fails.
+stand-in's helpers, so a wrong stand-in fails. These run on the default profile (the newest torch_npu on
+Atlas A2); the device rules and the differences between profiles are tested in test_stand_in_profiles.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npu_autopatch.testing import OPS, make_torch_npu, stand_in
+from npu_autopatch.testing import DEFAULT, OPS, make_torch_npu, stand_in
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-2}
@@ -58,10 +59,14 @@ def collect_warnings(fn) -> list[warnings.WarningMessage]:
 
 
 def assert_silent_no_grad(loss_fn, *inputs: torch.Tensor) -> None:
-    """Generic fallback: grads stay None, one warning on the first backward and none after."""
-    assert len(collect_warnings(lambda: loss_fn().backward())) == 1
+    """Generic fallback: the backward warns and every gradient stays None.
+
+    (torch_npu's VariableFallbackKernel.cpp warns once per process; torch's own CPU fallback, which the
+    stand-in's ops get, warns at every backward: the gradient is what matters.)"""
+    assert len(collect_warnings(lambda: loss_fn().backward())) >= 1
     assert all(t.grad is None for t in inputs)
-    assert collect_warnings(lambda: loss_fn().backward()) == []
+    assert collect_warnings(lambda: loss_fn().backward())  # no gradient the second time either
+    assert all(t.grad is None for t in inputs)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:  # HF's rotate_half
@@ -85,14 +90,16 @@ def test_module_looks_like_torch_npu() -> None:
     module = make_torch_npu()
     assert isinstance(module, types.ModuleType) and module.__name__ == "torch_npu"
     assert module.__spec__ is not None and module.__spec__.name == "torch_npu"
-    assert module.__version__ == "0.0.0+cpu.standin" and module.STAND_IN is True
+    assert module.__version__ == DEFAULT.torch_npu == "2.14.0" and module.STAND_IN is True
+    assert module.PROFILE is DEFAULT and module.version.cann == DEFAULT.cann
     assert "torch_npu" not in sys.modules or sys.modules["torch_npu"] is not module
     assert module.npu.__name__ == "torch_npu.npu" and module.npu.__spec__.name == "torch_npu.npu"
     assert module.npu.is_available() is True and module.npu.device_count() == 1
     assert module.npu.get_device_name() == "CPU stand-in for torch_npu"
     ops = {name for name in vars(module) if name.startswith("npu_")}
     assert ops == set(OPS)
-    assert all(isinstance(getattr(module, name), types.FunctionType) for name in OPS)
+    # Registered custom ops, as torch_npu's are: opaque to torch.compile and torch.export.
+    assert all(isinstance(getattr(module, name), torch._ops.OpOverloadPacket) for name in OPS)
     assert make_torch_npu() is not module and make_torch_npu().calls is not module.calls
 
 
@@ -177,8 +184,10 @@ def parse_schema(schema: str) -> tuple[str, list[tuple[str, object, str]]]:
 @pytest.mark.parametrize("schema", SCHEMAS, ids=lambda s: s.split("(")[0])
 def test_signatures_follow_the_schemas(npu: types.ModuleType, schema: str) -> None:
     name, params = parse_schema(schema)
-    signature = inspect.signature(getattr(npu, name))
-    assert [(p.name, p.default, p.kind.name) for p in signature.parameters.values()] == params
+    registered = getattr(npu, name).default._schema.arguments
+    kinds = ("KEYWORD_ONLY" if a.kwarg_only else "POSITIONAL_OR_KEYWORD" for a in registered)
+    defaults = (a.default_value if a.has_default_value() else inspect.Parameter.empty for a in registered)
+    assert list(zip((a.name for a in registered), defaults, kinds, strict=True)) == params
 
 
 def test_schema_list_covers_every_op() -> None:
@@ -505,12 +514,12 @@ def test_rotary_mul_interleave_and_rotate_matrix(npu: types.ModuleType) -> None:
 @pytest.mark.parametrize(
     ("mode", "x_shape", "r_shape"),
     [
-        ("half", (2, 3, 5, 8), (2, 1, 5, 8)),
-        ("half", (2, 3, 5, 8), (1, 1, 5, 8)),
-        ("half", (2, 5, 3, 8), (2, 5, 3, 8)),
-        ("half", (7, 3, 8), (7, 1, 8)),
-        ("interleave", (2, 3, 5, 8), (1, 1, 5, 8)),
-        ("interleave", (7, 3, 8), (7, 1, 8)),
+        ("half", (2, 3, 5, 8), (2, 1, 5, 8)),  # BNSD, B1SD (B < S)
+        ("half", (2, 5, 3, 8), (1, 5, 1, 8)),  # BSND, 1S1D
+        ("half", (2, 5, 3, 8), (2, 5, 3, 8)),  # no broadcast
+        ("half", (1, 7, 3, 8), (1, 7, 1, 8)),  # BSND with B = 1, BS1D
+        ("interleave", (2, 3, 5, 8), (1, 1, 5, 8)),  # BNSD, 11SD
+        ("interleave", (7, 2, 3, 8), (7, 1, 1, 8)),  # SBND, S11D
     ],
 )
 def test_rotary_mul_autograd_matches_reference(npu: types.ModuleType, mode: str, x_shape, r_shape) -> None:
@@ -537,18 +546,21 @@ def test_rotary_mul_grads_keep_r_dtype_and_rotate_disables_backward(npu: types.M
     ("x_shape", "r_shape", "mode", "error"),
     [
         ((2, 3, 5, 7), (1, 1, 5, 7), "half", "even"),
-        ((1, 1, 2, 896), (1, 1, 2, 896), "half", "< 896"),
-        ((5, 8), (5, 8), "half", "3-D or 4-D"),
-        ((1, 2, 3, 4, 8), (1, 1, 1, 4, 8), "half", "3-D or 4-D"),
-        ((2, 3, 5, 8), (1, 1, 5, 8), "quarter", "rotary_mode"),  # Ascend 950 only
-        ((2, 3, 5, 8), (1, 1, 5, 4), "half", "full head dim"),  # half-dim cos
-        ((2, 3, 5, 8), (1, 5, 8), "half", "rank"),
-        ((2, 3, 5, 8), (1, 3, 5, 8), "half", "layout"),  # 1NSD is no layout
-        ((2, 3, 5, 8), (1, 1, 1, 8), "half", "layout"),  # does not span S
-        ((2, 3, 5, 8), (2, 1, 5, 8), "interleave", "layout"),  # B1SD is half-only
+        ((1, 1, 2, 898), (1, 1, 2, 898), "half", "at most 896"),
+        ((5, 8), (5, 8), "half", "4-dimensional"),
+        ((7, 3, 8), (7, 1, 8), "half", "4-dimensional"),  # TND is V2-only (unknown rules): refused
+        ((1, 2, 3, 4, 8), (1, 1, 1, 4, 8), "half", "4-dimensional"),
+        ((2, 3, 5, 8), (1, 1, 5, 8), "quarter", "half or interleave"),  # Ascend 950 only
+        ((2, 3, 5, 8), (1, 1, 5, 4), "half", "should be equal"),  # half-dim cos
+        ((2, 3, 5, 8), (1, 5, 8), "half", "4-dimensional"),
+        ((2, 3, 5, 8), (1, 3, 5, 8), "half", "unknow input layout"),  # 1NSD is no layout
+        ((2, 3, 5, 8), (1, 1, 1, 8), "half", "S lines unset"),  # does not span S
+        ((2, 3, 5, 8), (2, 1, 5, 8), "interleave", "not supported"),  # B1SD is half-only
         ((2, 3, 5, 8), (1, 1, 2, 8), "half", "broadcast"),
-        ((1000, 1, 1, 8), (1000, 1, 1, 8), "half", "B < 1000"),
-        ((40, 25, 1, 8), (1, 1, 1, 8), "interleave", "B\\*N < 1000"),
+        ((32, 8, 8, 64), (1, 1, 8, 64), "half", "please do not use"),  # BNSD, aligned D/2, B*N > 8*S
+        ((2, 3, 5, 12), (1, 1, 5, 12), "half", "please do not use"),  # BNSD, D/2 unaligned, D < 80
+        ((1000, 5, 2, 8), (1, 5, 1, 8), "half", "B < 1000"),
+        ((40, 5, 25, 8), (1, 5, 1, 8), "interleave", "B\\*N < 1000"),
     ],
 )
 def test_rotary_mul_limits(npu: types.ModuleType, x_shape, r_shape, mode: str, error: str) -> None:
@@ -557,13 +569,13 @@ def test_rotary_mul_limits(npu: types.ModuleType, x_shape, r_shape, mode: str, e
 
 
 def test_rotary_mul_grad_limit_applies_only_when_r_needs_grad(npu: types.ModuleType) -> None:
-    x, r = torch.randn(33, 32, 1, 8), torch.randn(1, 1, 1, 8)  # B*N = 1056
+    x, r = torch.randn(33, 4, 32, 8), torch.randn(1, 4, 1, 8)  # BSND: B*N = 1056
     npu.npu_rotary_mul(x, r, r)
-    npu.npu_rotary_mul(torch.randn(40, 25, 1, 8), r, r)  # B*N = 1000 is fine in half mode
+    npu.npu_rotary_mul(torch.randn(40, 4, 25, 8), r, r)  # B*N = 1000 is fine in half mode
     with pytest.raises(RuntimeError, match="1024"):
-        npu.npu_rotary_mul(x, r.requires_grad_(), r)
-    with pytest.raises(RuntimeError, match=r"r1 .* and r2 .* must have one shape"):
-        npu.npu_rotary_mul(x, r, torch.randn(1, 1, 1, 8).expand(1, 32, 1, 8))
+        npu.npu_rotary_mul(x, r.clone().requires_grad_(), r)
+    with pytest.raises(RuntimeError, match=r"cos shape .* and sin shape .* differ"):
+        npu.npu_rotary_mul(x, r, torch.randn(1, 1, 1, 8).expand(1, 4, 32, 8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -664,7 +676,7 @@ def test_fusion_attention_schema_spelling_and_return(npu: types.ModuleType) -> N
     q = torch.randn(1, 2, 3, 8)
     result = npu.npu_fusion_attention(q, q, q, 2, "BNSD", pre_tockens=1, next_tockens=0)
     assert len(result) == 7 and [type(x) for x in result[4:]] == [int, int, int]
-    with pytest.raises(TypeError):
+    with pytest.raises(RuntimeError, match="Unknown keyword argument 'pre_tokens'"):
         npu.npu_fusion_attention(q, q, q, 2, "BNSD", pre_tokens=1)
 
 
@@ -956,7 +968,7 @@ def ref_moe_gmm(x, w_ekn, counts, bias=None) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("group_list_type", "split_item"), [(1, 3), (0, 2), (0, 3)])
 def test_grouped_matmul_moe_golden(npu, dtype: torch.dtype, group_list_type: int, split_item: int) -> None:
-    counts = [3, 0, 4]  # 7 of 10 rows: the tail rows come back zero
+    counts = [3, 0, 4]  # 7 of 10 rows: the device never writes the tail rows (uninitialised: NaN here)
     x, w = torch.randn(10, 6).to(dtype), torch.randn(3, 6, 5).to(dtype)
     bias = torch.randn(3, 5).to(torch.float16 if dtype == torch.float16 else torch.float32)
     group_list = torch.tensor(counts if group_list_type == 1 else [3, 3, 7], dtype=torch.int64)
@@ -970,8 +982,8 @@ def test_grouped_matmul_moe_golden(npu, dtype: torch.dtype, group_list_type: int
         group_type=0,
     )
     assert isinstance(out, list) and len(out) == 1
-    close(out[0], ref_moe_gmm(x, w, counts, bias))
-    assert torch.equal(out[0][7:], torch.zeros(3, 5, dtype=dtype))
+    close(out[0][:7], ref_moe_gmm(x, w, counts, bias)[:7])
+    assert out[0][7:].isnan().all()
 
 
 def test_grouped_matmul_split_outputs_treat_group_list_as_cumulative(npu: types.ModuleType) -> None:
@@ -1026,7 +1038,7 @@ def test_grouped_matmul_k_split_gives_weight_gradients(npu: types.ModuleType) ->
             "bias",
         ),
         ({"group_list": torch.tensor([3, 6]), "group_type": 0, "scale": [torch.ones(5)]}, "quantised"),
-        ({"group_list": [3, 6], "group_type": 0}, "List overload"),
+        ({"group_list": [3, 6], "group_type": 0}, "Expected a value of type 'Optional\\[Tensor\\]'"),
     ],
 )
 def test_grouped_matmul_limits(npu: types.ModuleType, kwargs: dict, error: str) -> None:
@@ -1036,7 +1048,7 @@ def test_grouped_matmul_limits(npu: types.ModuleType, kwargs: dict, error: str) 
 
 
 def test_grouped_matmul_rejects_bare_tensors_and_wide_dims(npu: types.ModuleType) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(RuntimeError, match="Expected a value of type 'List\\[Tensor\\]'"):
         npu.npu_grouped_matmul(torch.randn(6, 4), [torch.randn(4, 5)], group_type=-1)
     with pytest.raises(RuntimeError, match="65536"):
         npu.npu_grouped_matmul([torch.randn(1, 1)], [torch.randn(1, 65536)], group_type=-1)

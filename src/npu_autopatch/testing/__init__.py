@@ -1,9 +1,15 @@
-"""A CPU stand-in for the Ascend ``torch_npu`` module.
+"""A CPU stand-in for the Ascend ``torch_npu`` module, modelling a device, not its documentation.
 
 There is no NPU in CI and installing torch_npu without CANN breaks ``import torch``, so this module is the
-project's only witness of the device. It is strict on purpose: documented limits raise, outputs have the
-device's tuple arity, dtypes and shapes, and every op has the device's autograd behaviour (a real backward, a
-backward that raises, or silently no gradient), all per ``torch_npu_ops.md``.
+project's only witness of the device. It models one torch_npu release on one Atlas A2 device (a *profile*,
+_profiles.py): the ops that release has, with its schemas, registered as torch.library custom ops with fake
+kernels (as torch_npu's own are, so torch.compile and torch.export treat them alike), the shapes the CANN
+kernels refuse, which ops have a backward and through which op, and ``__version__``. Each rule names its
+source file (_ops.py, _profiles.py). The math of the ops the kernels use is ``kernels._reference``, the
+same the probes run.
+
+The default profile is the strictest current device: the newest torch_npu on Atlas A2. Older release lines
+are ``make_torch_npu(profile="a2-2.6.0")`` etc. (``PROFILES``).
 
 This package must stay import-light (no torch at import time): ``pytest_plugin`` lives inside it and is loaded
 by every pytest run through the ``pytest11`` entry point. torch is imported when a stand-in is built.
@@ -18,30 +24,12 @@ import types
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
-__all__ = ["OPS", "make_torch_npu", "stand_in"]
+from ._profiles import DEFAULT, PROFILES, Profile
 
-OPS: tuple[str, ...] = (
-    "npu_rms_norm",
-    "npu_rms_norm_backward",
-    "npu_gemma_rms_norm",
-    "npu_add_rms_norm",
-    "npu_swiglu",
-    "npu_swiglu_backward",
-    "npu_rotary_mul",
-    "npu_rotary_mul_backward",
-    "npu_apply_rotary_pos_emb",
-    "npu_fusion_attention",
-    "npu_fusion_attention_grad",
-    "npu_grouped_matmul",
-    "npu_moe_gating_top_k_softmax",
-    "npu_moe_compute_expert_tokens",
-    "npu_moe_init_routing_v2",
-    "npu_moe_finalize_routing",
-    "npu_moe_token_permute",
-    "npu_moe_token_permute_grad_v2",
-    "npu_moe_token_unpermute",
-    "npu_moe_token_unpermute_grad_v2",
-)
+__all__ = ["DEFAULT", "OPS", "PROFILES", "Profile", "make_torch_npu", "stand_in"]
+
+# The ops of the default profile; older profiles have fewer or other backward ops (PROFILES[...].schemas).
+OPS: tuple[str, ...] = tuple(DEFAULT.schemas)
 
 _DEVICE_NAME = "CPU stand-in for torch_npu"
 _MODULE_NAMES = ("torch_npu", "torch_npu.npu")
@@ -69,39 +57,60 @@ def _make_npu_submodule(available: bool) -> types.ModuleType:
     return npu
 
 
-def make_torch_npu(*, available: bool = True, missing: Iterable[str] = ()) -> types.ModuleType:
+def _profile(profile: Profile | str | None) -> Profile:
+    if profile is None:
+        return DEFAULT
+    if isinstance(profile, Profile):
+        return profile
+    try:
+        return PROFILES[profile]
+    except KeyError:
+        raise ValueError(f"unknown stand-in profile {profile!r}; known: {', '.join(PROFILES)}") from None
+
+
+def make_torch_npu(
+    *, available: bool = True, missing: Iterable[str] = (), profile: Profile | str | None = None
+) -> types.ModuleType:
     """Build a fresh ``torch_npu`` module object (not registered in ``sys.modules``).
 
-    ``available`` is what ``torch_npu.npu.is_available()`` reports; ops named in ``missing`` are left out, as
-    in an older torch_npu release. Every op call is counted in the module's ``calls`` Counter.
+    ``profile`` is the torch_npu release and device it models (default: the newest on Atlas A2);
+    ``available`` is what ``torch_npu.npu.is_available()`` reports; ops named in ``missing`` are left out.
+    Every op call, backward ops included, is counted in the module's ``calls`` Counter.
     """
-    from npu_autopatch.testing import _ops  # torch is imported here, not with the package
+    from npu_autopatch.testing import _library  # torch is imported here, not with the package
 
+    chosen = _profile(profile)
     missing = frozenset(missing)
-    unknown = sorted(missing.difference(OPS))
+    unknown = sorted(missing.difference(chosen.schemas))
     if unknown:
-        raise ValueError(f"missing= names ops the stand-in does not have: {unknown}")
-    module = types.ModuleType("torch_npu", "CPU stand-in for torch_npu (npu_autopatch.testing).")
+        raise ValueError(f"missing= names ops the stand-in's {chosen.name} profile does not have: {unknown}")
+    registration = _library.registration(chosen)
+    module = types.ModuleType("torch_npu", f"CPU stand-in for torch_npu: {chosen.describe()}.")
     module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
-    module.__version__ = "0.0.0+cpu.standin"
+    module.__version__ = chosen.torch_npu
+    module.version = types.SimpleNamespace(__version__=chosen.torch_npu, cann=chosen.cann)
     module.STAND_IN = True
+    module.PROFILE = chosen
     module.calls = Counter()
+    registration.modules.add(module)
     module.npu = _make_npu_submodule(available)
-    for name, op in _ops.build_ops(module.calls).items():
+    for name in chosen.schemas:
         if name not in missing:
-            setattr(module, name, op)
+            setattr(module, name, registration.op(name))
     return module
 
 
 @contextlib.contextmanager
-def stand_in(*, available: bool = True, missing: Iterable[str] = ()) -> Iterator[types.ModuleType]:
+def stand_in(
+    *, available: bool = True, missing: Iterable[str] = (), profile: Profile | str | None = None
+) -> Iterator[types.ModuleType]:
     """Install a fresh stand-in as ``torch_npu``, ``torch_npu.npu`` and ``torch.npu``; restore on exit.
 
     Whatever was there before (another module, or nothing at all) is put back exactly, so uses may nest.
     """
     import torch
 
-    module = make_torch_npu(available=available, missing=missing)
+    module = make_torch_npu(available=available, missing=missing, profile=profile)
     saved_modules = {name: sys.modules.get(name, _ABSENT) for name in _MODULE_NAMES}
     saved_npu = vars(torch).get("npu", _ABSENT)  # vars(): no lazy torch.__getattr__ lookup
     sys.modules["torch_npu"] = module

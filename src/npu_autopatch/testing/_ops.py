@@ -1,36 +1,41 @@
-"""Pure-PyTorch CPU implementations of the torch_npu fused ops, strict about every documented limit.
+"""The stand-in's ops: the device's checks on top of the reference math, per op, and their backward math.
 
-Each rule cites the section of ``torch_npu_ops.md`` it comes from (§N). Where that reference marks
-something UNKNOWN, the documented golden (the op-plugin tests' CPU reference) is followed and the choice is
-stated.
+What each op computes comes from ``npu_autopatch.kernels._reference`` (the one definition the probes
+use too) or, for the ops no kernel calls, from the op-plugin golden tests as written here. What the
+device REFUSES is added on top, each rule with its source: the CANN kernels' host-side tiling
+checks (hicann/ops-transformer), the op-plugin adapters (Ascend/op-plugin, per release branch), and
+where no source check exists, the op documentation (``torch_npu_ops.md`` §N, op-plugin's docs).
+What changed between release lines is a field of the profile (_profiles.py). _library.py registers
+these functions as torch.library ops, one namespace per profile.
 
 Two kinds of error are raised on purpose:
 
-* ``RuntimeError``: the real op rejects the call (a documented limit), as ``TORCH_CHECK`` does on the device.
+* ``RuntimeError``: the real op rejects the call, as ``TORCH_CHECK`` or a failed tiling does on the device.
 * ``NotImplementedError``: the call is valid on the device but this stand-in does not model it (quantisation,
-  drop/pad routing, ...), so a test must not pass by accident. It subclasses ``RuntimeError``.
+  drop/pad routing, ...), so a test must not pass by accident.
 
-Autograd is reproduced per op (§9): a real backward that goes through the public backward op, the error
-fallback whose backward raises, or the generic fallback that warns once and gives no gradient at all.
+Where the device leaves memory uninitialised (an output it allocates with ``empty`` and never writes), the
+stand-in fills it with NaN, the worst case, so that a caller trusting it fails the parity tests.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import warnings
-from collections import Counter
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from ..kernels import _reference
+from ._profiles import Profile
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
-# §2: the (x, gamma) dtype pairs of Atlas A2/A3.
+# §2: the (x, gamma) dtype pairs of Atlas A2/A3 (op-plugin docs, torch_npu-npu_rms_norm.md).
 _RMS_NORM_DTYPE_PAIRS = frozenset(
     {
         (torch.float16, torch.float32),
@@ -44,19 +49,11 @@ _RMS_NORM_DTYPE_PAIRS = frozenset(
 # §7: non-quantised grouped_matmul, bias dtype by x dtype.
 _GMM_BIAS_DTYPE = {torch.float16: torch.float16, torch.bfloat16: torch.float32, torch.float32: torch.float32}
 
-# §5.1: r1/r2 layouts the kernel accepts, as the set of leading dims where r1 spans x (D excluded). The
-# layout is implicit, so 4-D x may be BNSD (11SD, B1SD, BNSD), BSND (1S1D, BS1D, BSND) or SBND (S11D, SB1D,
-# SBND).
-_ROTARY_LAYOUTS = {
-    "half": {4: ({2}, {0, 2}, {0, 1, 2}, {1}, {0, 1}, {0}), 3: ({0}, {0, 1})},
-    "interleave": {4: ({2}, {1}, {0}), 3: ({0},)},
-}
-
 _INT32_MAX = 2**31 - 1
 
 
 def _check(condition: bool, message: str) -> None:
-    """Raise like the device's TORCH_CHECK does."""
+    """Raise like the device's TORCH_CHECK (or a failed tiling) does."""
     if not condition:
         raise RuntimeError(message)
 
@@ -67,63 +64,14 @@ def _unsupported(condition: bool, message: str) -> None:
         raise NotImplementedError(f"torch_npu stand-in: {message}")
 
 
-class _State:
-    """Per-module bookkeeping shared by the ops and by the backward nodes they create."""
-
-    def __init__(self, calls: Counter[str]) -> None:
-        self.calls = calls
-        self.ops: dict[str, Callable[..., Any]] = {}
-        self.warned: set[str] = set()
-
-    def warn_no_autograd(self, name: str) -> None:
-        """The generic fallback's warning (torch's warnAutogradNotImplemented), once per op and module."""
-        if name in self.warned:
-            return
-        self.warned.add(name)
-        warnings.warn(
-            f"npu::{name}: an autograd kernel was not registered to the Autograd key(s) but we are trying to "
-            "backprop through it. This may lead to silently incorrect behavior. This behavior is deprecated "
-            "and will be removed in a future version of PyTorch.",
-            UserWarning,
-            stacklevel=2,
-        )
-
-
-# ----------------------------------------------------------------------------------------------------
-# Autograd fallbacks (§9)
-# ----------------------------------------------------------------------------------------------------
-
-
-class _WarnNotImplemented(torch.autograd.Function):
-    """Generic fallback: the outputs get a node that warns once and returns no gradient for any input."""
-
-    @staticmethod
-    def forward(ctx: Any, state: _State, name: str, compute: Callable[[], tuple], *tensors: Any) -> tuple:
-        ctx.state, ctx.name, ctx.n_inputs = state, name, len(tensors)
-        return tuple(compute())
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple:
-        ctx.state.warn_no_autograd(ctx.name)
-        return (None,) * (3 + ctx.n_inputs)
-
-
-class _RaiseInBackward(torch.autograd.Function):
-    """Error fallback (autogradNotImplementedFallback): backward raises ``message``."""
-
-    @staticmethod
-    def forward(ctx: Any, message: str, compute: Callable[[], tuple], *tensors: Any) -> tuple:
-        ctx.message = message
-        return tuple(compute())
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple:
-        raise RuntimeError(ctx.message)
-
-
-def _not_implemented_message(name: str) -> str:
-    # torch's NotImplemented node names the op by its schema name, namespace included.
+def not_implemented_message(name: str) -> str:
+    # autogradNotImplementedFallback names the op by its schema name; the device's namespace is npu.
     return f"derivative for npu::{name} is not implemented"
+
+
+def uninitialised(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """Memory the device allocates and never writes: NaN here, so that nothing can rely on it."""
+    return torch.full(tuple(shape), float("nan"), dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -138,10 +86,21 @@ def _check_norm_args(name: str, x: Tensor, gamma: Tensor) -> None:
     )
 
 
-def _rstd(xf: Tensor, norm_dims: int, epsilon: float) -> Tensor:
-    """fp32 rstd with the kept (size 1) normalised dims: shape x.shape[:-g.dim()] + (1,)*g.dim()."""
-    dims = tuple(range(-norm_dims, 0))
-    return torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + epsilon)
+def _check_rms_norm(name: str, x: Tensor, gamma: Tensor) -> None:
+    # op-plugin docs, (beta)torch_npu-npu_rms_norm.md: input 2-8-D; empty and non-contiguous tensors are fine.
+    _check(2 <= x.dim() <= 8, f"{name}: input must be 2-8-D, got {x.dim()}-D")
+    _check_norm_args(name, x, gamma)
+    _check(
+        (x.dtype, gamma.dtype) in _RMS_NORM_DTYPE_PAIRS,
+        f"{name}: unsupported (input, gamma) dtypes ({x.dtype}, {gamma.dtype})",
+    )
+
+
+def rms_norm(profile: Profile, input: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple[Tensor, Tensor]:
+    _check_rms_norm("npu_rms_norm", input, gamma)
+    # Whether the kernel rounds x*rstd before the gamma multiply for bf16 is UNKNOWN; the golden's single
+    # cast is used (the reference).
+    return _reference.npu_rms_norm(input, gamma, epsilon)
 
 
 def _sum_leading(t: Tensor, n: int) -> Tensor:
@@ -149,15 +108,11 @@ def _sum_leading(t: Tensor, n: int) -> Tensor:
     return t.sum(dim=tuple(range(n))) if n else t
 
 
-def _rms_norm_forward(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-    xf = x.float()
-    rstd = _rstd(xf, gamma.dim(), epsilon)
-    # Golden: y = (x*rstd)*gamma in fp32, cast to x.dtype once at the end. Whether the kernel rounds x*rstd
-    # before the gamma multiply for bf16 is UNKNOWN; the golden's single cast is used.
-    return ((xf * rstd) * gamma.float()).to(x.dtype), rstd
-
-
-def _rms_norm_backward(dy: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+def rms_norm_backward(
+    profile: Profile, dy: Tensor, input: Tensor, gamma: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(dx [x.dtype], dgamma [fp32, gamma.shape]), the golden of test_npu_rms_norm_backward.py."""
+    x = input
     _check(
         dy.shape == x.shape, f"npu_rms_norm_backward: dy shape {tuple(dy.shape)} != input {tuple(x.shape)}"
     )
@@ -170,41 +125,20 @@ def _rms_norm_backward(dy: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor) -> tu
     return dx.to(x.dtype), dgamma
 
 
-class _RmsNorm(torch.autograd.Function):
-    """derivatives.yaml: input, gamma via npu_rms_norm_backward(grad, input, gamma, rstd); rstd is not
-    differentiable."""
-
-    @staticmethod
-    def forward(ctx: Any, state: _State, x: Tensor, gamma: Tensor, epsilon: float) -> tuple:
-        y, rstd = _rms_norm_forward(x, gamma, epsilon)
-        ctx.state = state
-        ctx.save_for_backward(x, gamma, rstd)
-        ctx.mark_non_differentiable(rstd)
-        return y, rstd
-
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor, _drstd: Tensor) -> tuple:
-        x, gamma, rstd = ctx.saved_tensors
-        dx, dgamma = ctx.state.ops["npu_rms_norm_backward"](dy, x, gamma, rstd)
-        # The kernel's dgamma is fp32; autograd hands gamma its own dtype.
-        return None, dx, dgamma.to(gamma.dtype), None
+def gemma_rms_norm(
+    profile: Profile, input: Tensor, gamma: Tensor, epsilon: float = 1e-06
+) -> tuple[Tensor, Tensor]:
+    """y = x*rstd*(1+gamma) in fp32; no autograd kernel on any branch (generic fallback)."""
+    # The dtype table is documented for npu_rms_norm only (UNKNOWN here); the same pairs are enforced.
+    _check_rms_norm("npu_gemma_rms_norm", input, gamma)
+    _, rstd = _reference.npu_rms_norm(input, gamma, epsilon)
+    return (input.float() * rstd * (1.0 + gamma.float())).to(input.dtype), rstd
 
 
-def _check_rms_norm(name: str, x: Tensor, gamma: Tensor) -> None:
-    _check_norm_args(name, x, gamma)
-    _check(
-        (x.dtype, gamma.dtype) in _RMS_NORM_DTYPE_PAIRS,
-        f"{name}: unsupported (input, gamma) dtypes ({x.dtype}, {gamma.dtype})",
-    )
-
-
-def _gemma_rms_norm(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-    xf = x.float()
-    rstd = _rstd(xf, gamma.dim(), epsilon)
-    return (xf * rstd * (1.0 + gamma.float())).to(x.dtype), rstd
-
-
-def _check_add_rms_norm(x1: Tensor, x2: Tensor, gamma: Tensor) -> None:
+def add_rms_norm(
+    profile: Profile, x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float = 1e-06
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Residual add then RMSNorm: (y, rstd, x1 + x2); the sum is rounded to the input dtype first."""
     _check(x1.dtype in _FLOATS, f"npu_add_rms_norm: unsupported dtype {x1.dtype}")
     # Broadcasting between x1 and x2 is undocumented (UNKNOWN): equal shapes and dtypes are required.
     _check(
@@ -215,11 +149,8 @@ def _check_add_rms_norm(x1: Tensor, x2: Tensor, gamma: Tensor) -> None:
     _check(1 <= x1.dim() <= 8, f"npu_add_rms_norm: input must be 1-8-D, got {x1.dim()}-D")
     _check(x1.numel() > 0, "npu_add_rms_norm: empty tensors are not supported")
     _check_norm_args("npu_add_rms_norm", x1, gamma)
-
-
-def _add_rms_norm(x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
-    x = x1 + x2  # golden: the sum is rounded to the input dtype before the fp32 normalisation
-    y, rstd = _rms_norm_forward(x, gamma, epsilon)
+    x = x1 + x2
+    y, rstd = _reference.npu_rms_norm(x, gamma, epsilon)
     return y, rstd, x
 
 
@@ -229,6 +160,7 @@ def _add_rms_norm(x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float) -> tupl
 
 
 def _check_swiglu(name: str, x: Tensor, dim: int) -> None:
+    # op-plugin docs, (beta)torch_npu-npu_swiglu.md: 1-8-D, even along dim, contiguous, not empty.
     _check(x.dtype in _FLOATS, f"{name}: unsupported dtype {x.dtype}")
     _check(1 <= x.dim() <= 8, f"{name}: input must be 1-8-D, got {x.dim()}-D")
     _check(-x.dim() <= dim < x.dim(), f"{name}: dim {dim} out of range for a {x.dim()}-D input")
@@ -237,141 +169,227 @@ def _check_swiglu(name: str, x: Tensor, dim: int) -> None:
     _check(x.shape[dim] % 2 == 0, f"{name}: size {x.shape[dim]} along dim {dim} must be even")
 
 
-def _swiglu_forward(x: Tensor, dim: int) -> Tensor:
-    a, b = x.float().chunk(2, dim)  # the FIRST half is gated
-    return (F.silu(a) * b).to(x.dtype)
+def swiglu(profile: Profile, input: Tensor, dim: int = -1) -> Tensor:
+    _check_swiglu("npu_swiglu", input, dim)
+    return _reference.npu_swiglu(input, dim)
 
 
-def _swiglu_backward(grad: Tensor, x: Tensor, dim: int) -> Tensor:
-    a, b = x.float().chunk(2, dim)
-    _check(grad.shape == a.shape, f"npu_swiglu_backward: grad shape {tuple(grad.shape)} != {tuple(a.shape)}")
-    g = grad.float()
+def swiglu_backward(profile: Profile, grad_output: Tensor, input: Tensor, dim: int = -1) -> Tensor:
+    """The golden of test_npu_swiglu_backward.py, fp32 inside."""
+    _check_swiglu("npu_swiglu_backward", input, dim)
+    a, b = input.float().chunk(2, dim)
+    _check(
+        grad_output.shape == a.shape,
+        f"npu_swiglu_backward: grad shape {tuple(grad_output.shape)} != {tuple(a.shape)}",
+    )
+    g = grad_output.float()
     s = torch.sigmoid(a)
     da = g * b * (s + a * s * (1 - s))
     db = g * a * s
-    return torch.cat((da, db), dim).to(x.dtype)
-
-
-class _Swiglu(torch.autograd.Function):
-    """derivatives.yaml: input via npu_swiglu_backward(grad, input, dim)."""
-
-    @staticmethod
-    def forward(ctx: Any, state: _State, x: Tensor, dim: int) -> Tensor:
-        ctx.state, ctx.dim = state, dim
-        ctx.save_for_backward(x)
-        return _swiglu_forward(x, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple:
-        (x,) = ctx.saved_tensors
-        return None, ctx.state.ops["npu_swiglu_backward"](grad, x, ctx.dim), None
+    return torch.cat((da, db), dim).to(input.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
-# RoPE (§5)
+# RoPE (§5): the CANN RotaryPositionEmbedding kernels' tiling, hicann/ops-transformer posembedding/
 # ----------------------------------------------------------------------------------------------------
 
+# Atlas A2 vector cores: 48 on the 910B1/B2, 40 on the 910B3/B4. CheckBnsdBlockSkip refuses more
+# shapes the more cores there are; the stand-in takes the strictest part.
+AIV_CORES = 48
+# rope_rotate_half_tiling.cpp D_LENGTH_LIMIT / rope_half_grad_tiling.cpp D_THRESHOLD: D > 896 is refused.
+ROTARY_D_LIMIT = 896
 
-def _rotate(x: Tensor, mode: str) -> Tensor:
+
+def half_forward_layout(x: Sequence[int], r: Sequence[int]) -> tuple[str, int, int, int]:
+    """(tiling mode, broadcastFirstDim, broadcastSecondDim, totalSLines) of a half-mode forward:
+    rope_rotate_half_tiling.cpp ChooseTilingMode, case by case. The layout is never given: it is
+    inferred from which of the first three dims of r (cos) differ from x's."""
+    x0, x1, x2 = x[:3]
+    r0, r1, r2 = r[:3]
+    if (r0, r1, r2) == (x0, x1, x2):
+        return "NO_BROADCAST", 1, 1, x0 * x1 * x2
+    if r0 == r1 == r2 == 1:  # S = 1: BND; totalSLines is only set when one of x's dims is 1
+        lines = x1 * x2 if x0 == 1 else x0 * x2 if x1 == 1 else x0 * x1 if x2 == 1 else 0
+        return "BND", 1, 1, lines
+    if x0 != r0 and x1 != r1:
+        return "BNSD", x0, x1, x2
+    if x0 != r0 and x2 != r2:
+        return "BSND", x0, x2, x1
+    if x1 != r1 and x2 != r2:
+        return "SBND", x1, x2, x0
+    if x0 != r0 and (r1 == 1 or r2 == 1):  # x B1SD or BS1D
+        return "BSND", x0, 1, x1 * x2
+    if x1 != r1 and r2 == 1:  # x SB1D
+        return "SBND", x1, 1, x0
+    if r2 != x2 and r0 == x0 and r1 == x1:  # r BS1D or SB1D
+        return "SBND", 1, x2, x0 * x1
+    if r1 != x1 and r0 == x0 and r2 == x2:  # r B1SD
+        return "R_B1SD", x0, x1, x2
+    return "UNKNOWN", 0, 0, 0
+
+
+def bnsd_block_skip(b: int, n: int, s: int, d: int, itemsize: int) -> bool:
+    """rope_rotate_half_tiling.cpp CheckBnsdBlockSkip: whether a BNSD-layout call is refused.
+
+    D/2 32-byte aligned: B*N > 8*S; otherwise 2*B*N > ceil(S / cores) and D < 80."""
+    aligned = (d // 2) % (32 // itemsize) == 0
+    if aligned:
+        return b * n > 8 * s
+    return 2 * b * n > -(-s // AIV_CORES) and d < 80
+
+
+def half_backward_layout(x: Sequence[int], r: Sequence[int]) -> str | None:
+    """rope_half_grad_tiling.cpp RopeHalfGradSelectLayout: the (x, cos) pairs the backward takes."""
+    x0, x1, x2 = x[:3]
+    c0, c1, c2 = r[:3]
+    if (x0, x1, x2) == (c0, c1, c2):
+        return "BSND"  # no broadcast
+    if x0 != 1 and c0 == 1 and x1 == c1 and c2 == 1:
+        return "BSND"  # x BSND, cos 1S1D
+    if x0 == c0 and x1 == c1 and c2 == 1 and x0 < x1:
+        return "BSND"  # x BSND, cos BS1D, B < S
+    if x0 != 1 and c0 == 1 and c1 == 1 and x2 == c2:
+        return "BNSD"  # x BNSD, cos 11SD
+    if x0 == c0 and c1 == 1 and x2 == c2 and x0 < x2:
+        return "BNSD"  # x BNSD, cos B1SD, B < S
+    if x0 == c0 and x1 != 1 and c1 == 1 and c2 == 1:
+        return "SBND"  # x SBND, cos S11D
+    if x0 == c0 and x1 == c1 and c2 == 1:
+        return "SBND"  # x SBND, cos SB1D
+    return None
+
+
+def interleave_forward_layout(x: Sequence[int], r: Sequence[int]) -> tuple[str, int, int] | None:
+    """rope_interleaved_tiling.cpp TilingSplit: (layout, batch, heads), or None (refused)."""
+    x0, x1, x2 = x[:3]
+    c0, c1, c2 = r[:3]
+    if c1 == 1 and c2 == 1 and x0 == c0:
+        return "SBND", 1, x1 * x2
+    if c0 == 1 and c2 == 1 and x1 == c1:
+        return "BSND", x0, x2
+    if c0 == 1 and c1 == 1 and x2 == c2:
+        return "BNSD", x0 * x1, 1
+    return None
+
+
+def interleave_backward_layout(x: Sequence[int], r: Sequence[int]) -> str | None:
+    """rope_interleaved_grad_tiling.cpp TilingLayoutSplit: the (x, cos) pairs the backward takes."""
+    x0, x1, x2 = x[:3]
+    c0, c1, c2 = r[:3]
+    if c0 == 1 and c2 == 1 and x1 == c1:
+        return "BSND"
+    if c0 == 1 and c1 == 1 and x2 == c2:
+        return "BNSD"
+    if c1 == 1 and c2 == 1 and x0 == c0:
+        return "SBND"
+    return None
+
+
+def _check_rotary_common(name: str, x: Tensor, r1: Tensor, r2: Tensor, mode: str) -> None:
+    # RotaryMulKernelNpuOpApi.cpp: only 'half' and 'interleave' ('quarter', 'interleave-half': Ascend 950).
+    _check(
+        mode in ("half", "interleave"),
+        f"{name}: The rotary_mode of npu_rotary_mul should be half or interleave, but got {mode}",
+    )
+    # rope_rotate_half_tiling.cpp CheckShapeSupport "the input shape must be 4-dimensional";
+    # rope_interleaved_tiling.cpp CheckInputShape; rope_half_grad_tiling.cpp "only support 4-d input".
+    # (op-plugin >= 26.0.0 calls aclnnRotaryPositionEmbeddingV2 where CANN has it; its 3-D support is
+    # documented but untested upstream and its rules are not published: UNKNOWN, modelled as V1.)
+    _check(
+        x.dim() == 4 and r1.dim() == 4 and r2.dim() == 4,
+        f"{name}: the input shape must be 4-dimensional, got x {tuple(x.shape)}, cos {tuple(r1.shape)}",
+    )
+    for t in (x, r1, r2):
+        _check(
+            t.dtype in _FLOATS, f"{name}: only supports float, float16 and bfloat16 data type, got {t.dtype}"
+        )
+    _check(
+        r1.shape == r2.shape, f"{name}: cos shape {tuple(r1.shape)} and sin shape {tuple(r2.shape)} differ"
+    )
+    d = x.shape[-1]
+    _check(r1.shape[-1] == d, f"{name}: input last dim (head_dim) should be equal, x {d}, cos {r1.shape[-1]}")
+    _check(d % 2 == 0, f"{name}: input last dim (head_dim) {d} must be an even number")
+    _check(d <= ROTARY_D_LIMIT, f"{name}: input last dim (head_dim) {d} should be at most {ROTARY_D_LIMIT}")
+    # The kernels read r at the broadcast positions; torch's broadcasting rule is the least they need.
+    _check(
+        all(r1.shape[i] in (1, x.shape[i]) for i in range(3)),
+        f"{name}: cos {tuple(r1.shape)} does not broadcast to input {tuple(x.shape)}",
+    )
+
+
+def check_rotary_forward(x: Tensor, r1: Tensor, r2: Tensor, mode: str) -> None:
+    name = "npu_rotary_mul"
+    _check_rotary_common(name, x, r1, r2, mode)
+    xs, rs, d = tuple(x.shape), tuple(r1.shape), x.shape[-1]
+    needs_grad = r1.requires_grad or r2.requires_grad  # (the kernel runs below autograd: no grad mode)
     if mode == "half":
-        x1, x2 = x.chunk(2, -1)
-        return torch.cat((-x2, x1), -1)
-    return torch.stack((-x[..., 1::2], x[..., ::2]), -1).reshape(x.shape)
+        layout, b, n, lines = half_forward_layout(xs, rs)
+        _check(layout != "UNKNOWN", f"{name}: unknow input layout, unable to calculate: x {xs}, cos {rs}")
+        _check(lines > 0, f"{name}: cos {rs} broadcasts over every dim of x {xs}: no layout (S lines unset)")
+        _check(
+            not (layout == "BNSD" and bnsd_block_skip(b, n, lines, d, x.element_size())),
+            f"{name}: when input is BNSD layout and B * N is large or D is not aligned, please do not use "
+            f"RotaryPositionEmbedding fusion operator (x {xs}, cos {rs}, B*N={b * n}, S={lines}, D={d})",
+        )
+        # Documented only (torch_npu-npu_rotary_mul.md, aclnnRotaryPositionEmbedding.md), read as the
+        # tiling's broadcast dims: B, N < 1000; B*N <= 1024 when cos/sin need gradients.
+        _check(b < 1000 and n < 1000, f"{name}: half mode needs B < 1000 and N < 1000, got B={b}, N={n}")
+        _check(not needs_grad or b * n <= 1024, f"{name}: B*N={b * n} must be <= 1024 when r1/r2 need grad")
+    else:
+        found = interleave_forward_layout(xs, rs)
+        _check(
+            found is not None, f"{name}: The shape of the input x {xs}, cos and sin {rs} is not supported."
+        )
+        _, batch, heads = found
+        _check(d < ROTARY_D_LIMIT, f"{name}: interleave mode needs D < {ROTARY_D_LIMIT}, got {d}")  # doc
+        _check(batch * heads < 1000, f"{name}: interleave mode needs B*N < 1000, got {batch * heads}")  # doc
+
+
+def check_rotary_backward(grad: Tensor, x: Tensor, r1: Tensor, r2: Tensor, mode: str) -> None:
+    name = "npu_rotary_mul_backward"
+    _check_rotary_common(name, x, r1, r2, mode)
+    _check(grad.shape == x.shape, f"{name}: grad {tuple(grad.shape)} != input {tuple(x.shape)}")
+    xs, rs = tuple(x.shape), tuple(r1.shape)
+    layout = half_backward_layout(xs, rs) if mode == "half" else interleave_backward_layout(xs, rs)
+    _check(layout is not None, f"{name}: invalid shape! x shape: {xs} and cos shape: {rs}")
+
+
+def rotary_mul(
+    profile: Profile,
+    input: Tensor,
+    r1: Tensor,
+    r2: Tensor,
+    rotary_mode: str = "half",
+    rotate: Tensor | None = None,
+) -> Tensor:
+    check_rotary_forward(input, r1, r2, rotary_mode)
+    if rotate is not None:
+        d = input.shape[-1]
+        _check(
+            tuple(rotate.shape) == (d, d),
+            f"npu_rotary_mul: rotate must be [{d}, {d}], got {tuple(rotate.shape)}",
+        )
+    return _reference.npu_rotary_mul(input, r1, r2, rotary_mode, rotate)
 
 
 def _rotate_adjoint(y: Tensor, mode: str) -> Tensor:
-    """The transpose of ``_rotate``: <rotate(x), y> == <x, rotate_adjoint(y)>."""
+    """The transpose of the rotation: <rotate(x), y> == <x, rotate_adjoint(y)>."""
     if mode == "half":
         y1, y2 = y.chunk(2, -1)
         return torch.cat((y2, -y1), -1)
     return torch.stack((y[..., 1::2], -y[..., ::2]), -1).reshape(y.shape)
 
 
-def _rotary_batch_heads(x: Tensor, r1: Tensor) -> tuple[int, int]:
-    """(B, N) for the half/interleave limits. The layout is implicit: dim 0 is taken as B and N is the first
-    of dims 1-2 that r1 broadcasts over, else dim 1 (for 3-D TND x: B = 1, N = dim 1)."""
-    if x.dim() == 3:
-        return 1, x.shape[1]
-    heads = [i for i in (1, 2) if r1.shape[i] == 1 and x.shape[i] > 1]
-    return x.shape[0], x.shape[heads[0] if heads else 1]
-
-
-def _check_rotary_mode(name: str, mode: str) -> None:
-    # 'quarter' and 'interleave-half' exist only on Ascend 950 (§5.1), not on A2/A3.
-    _check(
-        mode in _ROTARY_LAYOUTS, f"{name}: rotary_mode {mode!r} is not supported; use 'half' or 'interleave'"
-    )
-
-
-def _check_rotary(x: Tensor, r1: Tensor, r2: Tensor, mode: str, rotate: Tensor | None) -> None:
-    name = "npu_rotary_mul"
-    _check_rotary_mode(name, mode)
-    _check(x.dim() in (3, 4), f"{name}: input must be 3-D or 4-D, got {x.dim()}-D")
-    for t in (x, r1, r2):
-        _check(t.dtype in _FLOATS, f"{name}: unsupported dtype {t.dtype}")
-    d = x.shape[-1]
-    _check(d % 2 == 0 and d < 896, f"{name}: head dim D={d} must be even and < 896")
-    _check(r1.shape == r2.shape, f"{name}: r1 {tuple(r1.shape)} and r2 {tuple(r2.shape)} must have one shape")
-    _check(
-        r1.dim() == x.dim() and r1.shape[-1] == d,
-        f"{name}: r1/r2 {tuple(r1.shape)} must have the rank of input {tuple(x.shape)} and the full head dim",
-    )
-    lead = range(x.dim() - 1)
-    _check(
-        all(r1.shape[i] in (1, x.shape[i]) for i in lead),
-        f"{name}: r1/r2 {tuple(r1.shape)} do not broadcast to input {tuple(x.shape)}",
-    )
-    spanned = {i for i in lead if x.shape[i] > 1}
-    full = {i for i in spanned if r1.shape[i] == x.shape[i]}
-    _check(
-        any(set(layout) & spanned == full for layout in _ROTARY_LAYOUTS[mode][x.dim()]),
-        f"{name}: r1/r2 layout {tuple(r1.shape)} for input {tuple(x.shape)} is not supported in {mode} mode",
-    )
-    b, n = _rotary_batch_heads(x, r1)
-    if mode == "half":
-        _check(b < 1000 and n < 1000, f"{name}: half mode needs B < 1000 and N < 1000, got B={b}, N={n}")
-        needs_grad = torch.is_grad_enabled() and (r1.requires_grad or r2.requires_grad)
-        _check(not needs_grad or b * n <= 1024, f"{name}: B*N={b * n} must be <= 1024 when r1/r2 need grad")
-    else:
-        _check(b * n < 1000, f"{name}: interleave mode needs B*N < 1000, got {b * n}")
-    if rotate is not None:
-        _check(rotate.shape == (d, d), f"{name}: rotate must be [{d}, {d}], got {tuple(rotate.shape)}")
-
-
-def _rotary_forward(x: Tensor, r1: Tensor, r2: Tensor, mode: str, rotate: Tensor | None) -> Tensor:
-    # The adapter casts r1/r2 to x.dtype; the golden computes in the input dtype.
-    rotated = x @ rotate.to(x.dtype) if rotate is not None else _rotate(x, mode)
-    return x * r1.to(x.dtype) + rotated * r2.to(x.dtype)
-
-
-def _rotary_backward(
-    grad: Tensor, x: Tensor, r1: Tensor, r2: Tensor, mode: str
+def rotary_mul_backward(
+    profile: Profile, grad: Tensor, input: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "half"
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check_rotary_mode("npu_rotary_mul_backward", mode)
-    _check(
-        grad.shape == x.shape, f"npu_rotary_mul_backward: grad {tuple(grad.shape)} != input {tuple(x.shape)}"
-    )
-    g = grad.to(x.dtype)
-    dx = g * r1.to(x.dtype) + _rotate_adjoint(g * r2.to(x.dtype), mode)
-    dr1 = (g * x).sum_to_size(r1.shape)
-    dr2 = (g * _rotate(x, mode)).sum_to_size(r2.shape)
-    return dx, dr1, dr2  # all in x.dtype (meta)
-
-
-class _RotaryMul(torch.autograd.Function):
-    """derivatives.yaml: input, r1, r2 via npu_rotary_mul_backward(grad, input, r1, r2, rotary_mode)."""
-
-    @staticmethod
-    def forward(ctx: Any, state: _State, x: Tensor, r1: Tensor, r2: Tensor, mode: str) -> Tensor:
-        ctx.state, ctx.mode = state, mode
-        ctx.save_for_backward(x, r1, r2)
-        return _rotary_forward(x, r1, r2, mode, None)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple:
-        x, r1, r2 = ctx.saved_tensors
-        dx, dr1, dr2 = ctx.state.ops["npu_rotary_mul_backward"](grad, x, r1, r2, ctx.mode)
-        return None, dx, dr1.to(r1.dtype), dr2.to(r2.dtype), None
+    """(dx, dr1, dr2) in x's dtype, dr1/dr2 summed to r1/r2's shape (test_npu_rotary_mul_backward.py)."""
+    check_rotary_backward(grad, input, r1, r2, rotary_mode)
+    g = grad.to(input.dtype)
+    dx = g * r1.to(input.dtype) + _rotate_adjoint(g * r2.to(input.dtype), rotary_mode)
+    dr1 = (g * input).sum_to_size(r1.shape)
+    dr2 = (g * _reference.rotate_by_mode(input, rotary_mode)).sum_to_size(r2.shape)
+    return dx, dr1, dr2
 
 
 def _check_apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str, mode: str) -> None:
@@ -399,6 +417,24 @@ def _check_apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: st
         tuple(cos.shape) == expected and tuple(sin.shape) == expected,
         f"{name}: cos/sin must be exactly {expected} (no broadcasting), got {tuple(cos.shape)}",
     )
+
+
+def apply_rotary_pos_emb(
+    profile: Profile,
+    query: Tensor,
+    key: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    layout: str = "BSND",
+    rotary_mode: str = "half",
+) -> tuple[Tensor, Tensor]:
+    """RoPE on query and key IN PLACE (ApplyRotaryPosEmbNpuOpApi.cpp returns std::tie(query, key))."""
+    _check_apply_rope(query, key, cos, sin, layout, rotary_mode)
+    new_query = _reference.npu_rotary_mul(query, cos, sin)
+    new_key = _reference.npu_rotary_mul(key, cos, sin)
+    query.copy_(new_query)
+    key.copy_(new_key)
+    return query, key
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -790,61 +826,194 @@ def _fa_backward(
     return dq, dk, dv, dpse
 
 
-class _FusionAttention(torch.autograd.Function):
-    """derivatives.yaml: query, key, value, pse via npu_fusion_attention_grad(query, key, value, grad, ...,
-    result1, result2, result3, result0, ...). Only attention_out's gradient reaches the backward op."""
+def fusion_attention(
+    profile: Profile,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: Tensor | None = None,
+    padding_mask: Tensor | None = None,
+    atten_mask: Tensor | None = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    prefix: Sequence[int] | None = None,
+    actual_seq_qlen: Sequence[int] | None = None,
+    actual_seq_kvlen: Sequence[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+    sink: Tensor | None = None,
+    dropout_mask: Tensor | None = None,
+    seed: int = 0,
+    offset: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, int, int, int]:
+    """softmax(mask(scale * (q @ k^T + pse))) @ v without dropout, fp32 inside.
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        state: _State,
-        geo: _FaGeometry,
-        keep: Tensor | None,
-        grad_args: dict[str, Any],
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        pse: Tensor | None,
-    ) -> tuple:
-        out, row_max, row_sum = _fa_forward(geo, keep, grad_args["scale_value"], q, k, v, pse)
-        layout = grad_args["softmax_layout"]
-        result = (
-            _fa_to_layout(out, geo, q.dtype),
-            _fa_pack_stats(row_max, geo, layout),
-            _fa_pack_stats(row_sum, geo, layout),
-            q.new_empty(0),  # softmax_out is reserved: an empty tensor of the query's dtype
-        )
-        ctx.state, ctx.grad_args = state, grad_args
-        ctx.save_for_backward(q, k, v, pse, *result)
-        return result
+    Returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels). With keep_prob 1
+    no dropout mask is drawn, so seed and offset are 0 (§12) and the seed/offset arguments, like
+    gen_mask_parallel and sync, have nothing to act on.
+    """
+    name = "npu_fusion_attention"
+    options = {
+        "keep_prob": keep_prob,
+        "pre_tockens": pre_tockens,
+        "next_tockens": next_tockens,
+        "inner_precise": inner_precise,
+        "actual_seq_qlen": actual_seq_qlen,
+        "actual_seq_kvlen": actual_seq_kvlen,
+        "sparse_mode": sparse_mode,
+        "softmax_layout": softmax_layout,
+    }
+    unmodelled = {
+        "padding_mask": padding_mask,  # documented as "not supported yet"
+        "prefix": prefix,
+        "sink": sink,
+        "dropout_mask": dropout_mask,
+    }
+    geo, keep = _fa_prepare(
+        name, query, key, value, head_num, input_layout, pse, atten_mask, options, unmodelled
+    )
+    numels = _fa_numels(geo, head_num, actual_seq_qlen, actual_seq_kvlen)
+    out, row_max, row_sum = _fa_forward(geo, keep, float(scale), query, key, value, pse)
+    return (
+        _fa_to_layout(out, geo, query.dtype),
+        _fa_pack_stats(row_max, geo, softmax_layout),
+        _fa_pack_stats(row_sum, geo, softmax_layout),
+        query.new_empty(0),  # softmax_out is reserved: an empty tensor of the query's dtype
+        0,
+        0,
+        numels,
+    )
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor, *_unused: Tensor) -> tuple:
-        q, k, v, pse, out, softmax_max, softmax_sum, softmax_out = ctx.saved_tensors
-        dq, dk, dv, dpse, _ = ctx.state.ops["npu_fusion_attention_grad"](
-            q,
-            k,
-            v,
-            grad,
-            pse=pse,
-            softmax_max=softmax_max,
-            softmax_sum=softmax_sum,
-            softmax_in=softmax_out,
-            attention_in=out,
-            **ctx.grad_args,
+
+def fusion_attention_grad(
+    profile: Profile,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    dy: Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: Tensor | None = None,
+    padding_mask: Tensor | None = None,
+    atten_mask: Tensor | None = None,
+    softmax_max: Tensor | None = None,
+    softmax_sum: Tensor | None = None,
+    softmax_in: Tensor | None = None,
+    attention_in: Tensor | None = None,
+    scale_value: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    seed: int = 0,
+    offset: int = 0,
+    numels: int = 0,
+    prefix: Sequence[int] | None = None,
+    actual_seq_qlen: Sequence[int] | None = None,
+    actual_seq_kvlen: Sequence[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+    sink: Tensor | None = None,
+) -> tuple[Tensor, ...]:
+    """Backward of npu_fusion_attention: (dq, dk, dv, dpse[, dsink]), each in its input's dtype and shape.
+
+    dpse is None without pse, as the C++ adapter returns an undefined tensor, and dsink (op-plugin
+    >= 26.1.0 returns it) is None: sink is not modelled. The forward's softmax_max, softmax_sum and
+    attention_out are required: the gradient is built from them, as on the device. softmax_in is the
+    reserved empty tensor and is not read.
+    """
+    name = "npu_fusion_attention_grad"
+    options = {
+        "keep_prob": keep_prob,
+        "pre_tockens": pre_tockens,
+        "next_tockens": next_tockens,
+        "inner_precise": inner_precise,
+        "actual_seq_qlen": actual_seq_qlen,
+        "actual_seq_kvlen": actual_seq_kvlen,
+        "sparse_mode": sparse_mode,
+        "softmax_layout": softmax_layout,
+    }
+    unmodelled = {"padding_mask": padding_mask, "prefix": prefix, "sink": sink}
+    geo, keep = _fa_prepare(
+        name, query, key, value, head_num, input_layout, pse, atten_mask, options, unmodelled
+    )
+    _unsupported(
+        softmax_max is None or softmax_sum is None or attention_in is None,
+        f"{name}: without the forward's softmax_max, softmax_sum and attention_in",
+    )
+    out_dim = geo.heads * geo.v_dim if geo.layout in ("BSH", "SBH") else geo.v_dim
+    expected = (*query.shape[:-1], out_dim)
+    for label, t in (("dy", dy), ("attention_in", attention_in)):
+        _check(
+            tuple(t.shape) == expected and t.dtype == query.dtype,
+            f"{name}: {label} must be {query.dtype} {list(expected)}, got {t.dtype} {tuple(t.shape)}",
         )
-        return None, None, None, None, dq, dk, dv, dpse
+    row_max = _fa_unpack_stats(name, "softmax_max", softmax_max, geo, softmax_layout)
+    row_sum = _fa_unpack_stats(name, "softmax_sum", softmax_sum, geo, softmax_layout)
+    grads = _fa_backward(geo, keep, scale_value, (query, key, value, pse), dy, attention_in, row_max, row_sum)
+    return grads if "sink" not in profile.schemas["npu_fusion_attention_grad"] else (*grads, None)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Grouped matmul (§7)
+# Grouped matmul (§7): GroupedMatmulKernelNpuOpApi.cpp (op-plugin) and gmm/grouped_matmul (CANN)
 # ----------------------------------------------------------------------------------------------------
+
+
+def transposed_last_two(t: Tensor) -> bool:
+    """aclnn_grouped_matmul_util.cpp IsTransposeLastTwoDims: a transposed view of a contiguous tensor."""
+    if t.dim() < 2:
+        return False
+    shape, strides = t.shape, t.stride()
+    if not (strides[-2] == 1 and strides[-1] == shape[-2]):
+        return False
+    span = shape[-1] * shape[-2]
+    for dim in range(t.dim() - 3, -1, -1):
+        if strides[dim] != span:
+            return False
+        span *= shape[dim]
+    return True
+
+
+def _special_transposed(tensors: Sequence[Tensor]) -> bool:
+    """aclnn_grouped_matmul.cpp CheckSpecialTranspose: transposed, unless the last two dims are (1, 1)."""
+    for t in tensors:
+        last = math.prod(t.shape[-2:]) if t.dim() > 1 else t.shape[-1]
+        if transposed_last_two(t) and last != 1:
+            return True
+    return False
+
+
+def _check_gmm_transpose(group_type: int, x: Sequence[Tensor], weight: Sequence[Tensor]) -> None:
+    """aclnn_grouped_matmul.cpp CheckTransposeStatus and CheckParamDifferentGroupType."""
+    name = "npu_grouped_matmul"
+    if group_type == 2:
+        transpose_x, transpose_weight = transposed_last_two(x[0]), _special_transposed(weight)
+        _check(
+            transpose_x,
+            f"{name}: When groupType is 2 and x is not separated, tensor in x should be transposed.",
+        )
+    else:
+        transpose_x, transpose_weight = _special_transposed(x), transposed_last_two(weight[0])
+        _check(not transpose_x, f"{name}: When groupType is {group_type}, x can not be transposed.")
+    _check(
+        not (transpose_x and transpose_weight),
+        f"{name}: x and weight can not be transposed at the same time.",
+    )
 
 
 def _group_ends(group_list: Tensor, cumulative: bool, total: int, axis: str) -> list[int]:
     """Cumulative end offsets of each group, checked: non-negative, non-decreasing, last <= total."""
     values = group_list.tolist()
-    ends = values if cumulative else torch.tensor(values, dtype=torch.int64).cumsum(0).tolist()
+    ends = _reference.group_ends(group_list, cumulative)
     _check(
         all(v >= 0 for v in values) and all(b >= a for a, b in itertools.pairwise(ends)),
         f"npu_grouped_matmul: group_list {values} must give non-negative, non-decreasing offsets",
@@ -853,12 +1022,12 @@ def _group_ends(group_list: Tensor, cumulative: bool, total: int, axis: str) -> 
     return ends
 
 
-def _gmm_bias(
+def _check_gmm_bias(
     bias: Sequence[Tensor] | None, n_groups: int, single_weight: bool, dtype: torch.dtype
-) -> list[Tensor | None]:
+) -> None:
     """Per-group 1-D biases ([E, N] is also accepted as one tensor next to a single [E, K, N] weight)."""
     if bias is None:
-        return [None] * n_groups
+        return
     biases = list(bias)
     if single_weight and len(biases) == 1 and biases[0].dim() == 2:
         biases = list(biases[0].unbind(0))
@@ -869,50 +1038,10 @@ def _gmm_bias(
             b.dtype == _GMM_BIAS_DTYPE[dtype],
             f"npu_grouped_matmul: {dtype} x needs a {_GMM_BIAS_DTYPE[dtype]} bias, got {b.dtype}",
         )
-    return biases
 
 
-def _mm(x: Tensor, w: Tensor, b: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    _check(
-        x.shape[-1] == w.shape[0],
-        f"npu_grouped_matmul: x {tuple(x.shape)} and weight {tuple(w.shape)} do not multiply",
-    )
-    y = x.float() @ w.float()
-    if b is not None:
-        _check(b.shape[0] == w.shape[1], f"npu_grouped_matmul: bias {tuple(b.shape)} != N={w.shape[1]}")
-        y = y + b.float()
-    return y.to(out_dtype)
-
-
-def _concat_rows(outs: list[Tensor]) -> Tensor:
-    _check(
-        len({o.shape[-1] for o in outs}) == 1,
-        "npu_grouped_matmul: split_item 2/3 needs one N for every group",
-    )
-    return torch.cat(outs, 0)
-
-
-def _grouped_matmul(
-    x: Sequence[Tensor],
-    weight: Sequence[Tensor],
-    bias: Sequence[Tensor] | None,
-    group_list: Tensor | None,
-    split_item: int,
-    group_type: int,
-    group_list_type: int,
-    output_dtype: torch.dtype | None,
-) -> list[Tensor]:
+def _check_gmm_shapes(x: Sequence[Tensor], weights: Sequence[Tensor], split_item: int) -> None:
     name = "npu_grouped_matmul"
-    dtype = x[0].dtype
-    _check(dtype in _FLOATS, f"{name}: unsupported x dtype {dtype}")
-    _check(
-        all(t.dtype == dtype for t in (*x, *weight)),
-        f"{name}: non-quantised x and weight must share one dtype",
-    )
-    out_dtype = dtype if output_dtype is None else output_dtype
-    _check(out_dtype in _FLOATS, f"{name}: unsupported output_dtype {output_dtype}")
-    single_weight = len(weight) == 1 and weight[0].dim() == 3
-    weights = list(weight[0].unbind(0)) if single_weight else list(weight)
     for w in weights:
         _check(w.dim() == 2, f"{name}: each weight must be [K, N], got {tuple(w.shape)}")
         _check(max(w.shape) < 65536, f"{name}: inner dims must be < 65536, got weight {tuple(w.shape)}")
@@ -921,46 +1050,150 @@ def _grouped_matmul(
         _check(2 <= t.dim() <= x_max_dim, f"{name}: x must be 2-{x_max_dim}-D here, got {tuple(t.shape)}")
         _check(t.shape[-1] < 65536, f"{name}: inner dims must be < 65536, got x {tuple(t.shape)}")
 
+
+def grouped_matmul(
+    profile: Profile,
+    x: Sequence[Tensor],
+    weight: Sequence[Tensor],
+    bias: Sequence[Tensor] | None = None,
+    scale: Sequence[Tensor] | None = None,
+    offset: Sequence[Tensor] | None = None,
+    antiquant_scale: Sequence[Tensor] | None = None,
+    antiquant_offset: Sequence[Tensor] | None = None,
+    per_token_scale: Sequence[Tensor] | None = None,
+    group_list: Tensor | None = None,
+    activation_input: Sequence[Tensor] | None = None,
+    activation_quant_scale: Sequence[Tensor] | None = None,
+    activation_quant_offset: Sequence[Tensor] | None = None,
+    split_item: int | None = 0,
+    group_type: int | None = None,
+    group_list_type: int | None = 0,
+    act_type: int | None = 0,
+    tuning_config: Sequence[int] | None = None,
+    output_dtype: Any = None,
+    x_dtype: int | None = None,
+    weight_dtype: int | None = None,
+    scale_dtype: int | None = None,
+    per_token_scale_dtype: int | None = None,
+) -> list[Tensor]:
+    """Grouped x_i @ weight_i (+ bias_i), non-quantised; no autograd on any branch.
+
+    ``tuning_config`` is a performance hint only and is ignored.
+    """
+    name = "npu_grouped_matmul"
+    quant = {
+        "scale": scale,
+        "offset": offset,
+        "antiquant_scale": antiquant_scale,
+        "antiquant_offset": antiquant_offset,
+        "per_token_scale": per_token_scale,
+        "activation_input": activation_input,
+        "activation_quant_scale": activation_quant_scale,
+        "activation_quant_offset": activation_quant_offset,
+        "x_dtype": x_dtype,
+        "weight_dtype": weight_dtype,
+        "scale_dtype": scale_dtype,
+        "per_token_scale_dtype": per_token_scale_dtype,
+    }
+    given = sorted(k for k, v in quant.items() if v is not None)
+    _unsupported(bool(given), f"{name}: quantised path ({', '.join(given)}) is not modelled")
+    _unsupported(act_type not in (0, None), f"{name}: act_type={act_type} (per-token quant only)")
+    _unsupported(group_list_type == 2, f"{name}: group_list_type=2 (int8 quant only)")
+    _unsupported(
+        output_dtype is not None and not isinstance(output_dtype, torch.dtype),
+        f"{name}: integer (ACL) output_dtype codes",
+    )
+    # GroupedMatmulKernelNpuOpApi.cpp: group_type must be passed; 7.1.0 takes -1 and 0 only, later
+    # branches -1, 0 and 2.
+    _check(group_type is not None, "Requires manual passing group_type, current is None.")
+    _check(
+        group_type in profile.gmm_group_types,
+        f"{name}: group_type {group_type} is not supported by torch_npu {profile.torch_npu} "
+        f"(op-plugin {profile.op_plugin} takes {sorted(profile.gmm_group_types)})",
+    )
+    split_item = 0 if split_item is None else split_item
+    group_list_type = 0 if group_list_type is None else group_list_type
+    _check(len(x) > 0 and len(weight) > 0, "Invalid inputs: neither x nor weight could be empty.")
+    _check(split_item in (0, 1, 2, 3), f"Invalid value of split_item [{split_item}], should be 0/1/2/3.")
+    n_entries = max(len(x), len(weight), len(bias or ()))
+    _check(n_entries <= 128, f"{name}: at most 128 list entries, got {n_entries}")
+    dtype = x[0].dtype
+    _check(dtype in _FLOATS, f"{name}: unsupported x dtype {dtype}")
+    _check(
+        all(t.dtype == dtype for t in (*x, *weight)),
+        f"{name}: non-quantised x and weight must share one dtype",
+    )
+    out_dtype = dtype if output_dtype is None else output_dtype
+    _check(out_dtype in _FLOATS, f"{name}: unsupported output_dtype {output_dtype}")
+    if group_list is not None:
+        # aclnn_grouped_matmul.cpp CheckGroupListCommonTensor: int64, at most 1024 groups.
+        _check(group_list.dtype == torch.int64, f"{name}: group_list must be int64, got {group_list.dtype}")
+        _check(
+            group_list.dim() == 1 and 1 <= group_list.numel() <= 1024,
+            f"{name}: group_list must be 1-D with 1..1024 groups, got {tuple(group_list.shape)}",
+        )
+        _check(group_list_type in (0, 1), f"{name}: group_list_type {group_list_type} invalid")
+        # op-plugin docs, torch_npu-npu_grouped_matmul.md: with group_list_type 1 "长度不能为1".
+        _check(
+            group_list_type != 1 or group_list.numel() != 1,
+            f"{name}: a group_list of counts (group_list_type=1) must not have length 1",
+        )
+    single_weight = len(weight) == 1 and weight[0].dim() == 3
+    weights = list(weight[0].unbind(0)) if single_weight else list(weight)
+    _check_gmm_shapes(x, weights, split_item)
+    _check_gmm_transpose(group_type, x, weight)
+    all_empty = all(t.numel() == 0 for t in x)
+
     if group_type == -1:
         _check(group_list is None, f"{name}: group_type=-1 takes no group_list")
         _check(len(x) == len(weights), f"{name}: {len(x)} x tensors for {len(weights)} weights")
-        biases = _gmm_bias(bias, len(weights), single_weight, dtype)
-        outs = [_mm(xi, wi, bi, out_dtype) for xi, wi, bi in zip(x, weights, biases, strict=True)]
-        return outs if split_item in (0, 1) else [_concat_rows(outs)]
-
-    _check(group_list is not None, f"{name}: group_type={group_type} needs a group_list")
-    _check(len(x) == 1, f"{name}: group_type={group_type} takes a single x, got {len(x)}")
-    (x0,) = x
-    _check(x0.dim() == 2, f"{name}: group_type={group_type} needs a 2-D x, got {tuple(x0.shape)}")
+        _check_gmm_bias(bias, len(weights), single_weight, dtype)
+        _check(
+            split_item in (0, 1) or len({w.shape[-1] for w in weights}) == 1,
+            f"{name}: split_item 2/3 needs one N for every group",
+        )
+    else:
+        _check(group_list is not None, f"{name}: group_type={group_type} needs a group_list")
+        _check(len(x) == 1, f"{name}: group_type={group_type} takes a single x, got {len(x)}")
+        _check(x[0].dim() == 2, f"{name}: group_type={group_type} needs a 2-D x, got {tuple(x[0].shape)}")
     if group_type == 0:
         n_groups = group_list.numel()
         _check(len(weights) == n_groups, f"{name}: {len(weights)} weights for {n_groups} groups")
-        biases = _gmm_bias(bias, n_groups, single_weight, dtype)
-        # C++ pitfall: split_item 0/1 sizes the outputs as if group_list were cumulative, whatever its type.
-        ends = _group_ends(group_list, group_list_type == 0 or split_item in (0, 1), x0.shape[0], "M")
-        starts = [0, *ends[:-1]]
-        outs = [
-            _mm(x0[s:e], w, b, out_dtype) for s, e, w, b in zip(starts, ends, weights, biases, strict=True)
-        ]
-        if split_item in (0, 1):
-            return outs
-        # Rows past the last offset are undefined on the device (§7); the stand-in zeroes them.
-        tail = x0.new_zeros((x0.shape[0] - ends[-1], weights[0].shape[1]), dtype=out_dtype)
-        return [_concat_rows([*outs, tail])]
+        _check_gmm_bias(bias, n_groups, single_weight, dtype)
+        # The adapter sizes split_item 0/1 outputs as if group_list were cumulative, whatever its type.
+        ends = _group_ends(group_list, group_list_type == 0 or split_item in (0, 1), x[0].shape[0], "M")
+    if group_type == 2:
+        _check(split_item in (2, 3), f"{name}: group_type=2 needs split_item 2 or 3, got {split_item}")
+        _check(
+            len(weight) == 1 and weight[0].dim() == 2,
+            f"{name}: group_type=2 takes a single 2-D weight, got {[tuple(w.shape) for w in weight]}",
+        )
+        _check(bias is None, f"{name}: When groupType is 2, bias must be empty.")
+        ends = _group_ends(group_list, group_list_type == 0, x[0].shape[1], "K")
 
-    # group_type 2: the contraction axis (x's dim 1 = weight's dim 0) is split; one [M, N] result per group.
-    _check(split_item in (2, 3), f"{name}: group_type=2 needs split_item 2 or 3, got {split_item}")
-    _check(
-        len(weight) == 1 and weight[0].dim() == 2,
-        f"{name}: group_type=2 takes a single 2-D weight, got {[tuple(w.shape) for w in weight]}",
+    outs = _reference.npu_grouped_matmul(
+        list(x),
+        list(weight),
+        bias=None if bias is None else list(bias),
+        group_list=group_list,
+        split_item=split_item,
+        group_type=group_type,
+        group_list_type=group_list_type,
+        output_dtype=out_dtype,
     )
-    _check(bias is None, f"{name}: group_type=2 takes no bias")
-    (w0,) = weight
-    ends = _group_ends(group_list, group_list_type == 0, x0.shape[1], "K")
-    starts = [0, *ends[:-1]]
-    return [
-        torch.stack([_mm(x0[:, s:e], w0[s:e], None, out_dtype) for s, e in zip(starts, ends, strict=True)])
-    ]
+    if all_empty:
+        # aclnn_grouped_matmul.cpp CheckZeroShape: with every x empty no kernel runs, and the outputs the
+        # adapter allocated stay as they were.
+        return [uninitialised(o.shape, o.dtype) for o in outs]
+    if group_type == 0 and split_item in (2, 3) and ends[-1] < x[0].shape[0]:
+        (out,) = outs
+        out[ends[-1] :] = float("nan")  # rows past the last offset are never written
+    if group_type == 2 and not profile.gmm_zero_fills_empty_groups:
+        (out,) = outs
+        for group, (start, end) in enumerate(itertools.pairwise([0, *ends])):
+            if start == end:
+                out[group] = float("nan")  # no EmptyTensorCompute: an empty group's block is not written
+    return outs
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -981,7 +1214,11 @@ def _check_gating(x: Tensor, finished: Tensor | None, k: int) -> None:
         )
 
 
-def _gating_top_k_softmax(x: Tensor, finished: Tensor | None, k: int) -> tuple[Tensor, Tensor, Tensor]:
+def gating_top_k_softmax(
+    profile: Profile, x: Tensor, finished: Tensor | None = None, k: int = 1
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(top-k softmax probs [x.dtype], expert_idx int32, row_idx int32)."""
+    _check_gating(x, finished, k)
     p = torch.softmax(x.float(), dim=-1)
     top = torch.argsort(-p, dim=-1, stable=True)[..., :k]  # ties go to the lower expert index
     y = p.gather(-1, top).to(x.dtype)
@@ -993,8 +1230,10 @@ def _gating_top_k_softmax(x: Tensor, finished: Tensor | None, k: int) -> tuple[T
     return y, expert_idx, row_idx
 
 
-def _compute_expert_tokens(sorted_experts: Tensor, num_expert: int) -> Tensor:
+def compute_expert_tokens(profile: Profile, sorted_expert_for_source_row: Tensor, num_expert: int) -> Tensor:
+    """Cumulative token counts per expert (int32), usable as group_list type 0."""
     name = "npu_moe_compute_expert_tokens"
+    sorted_experts = sorted_expert_for_source_row
     _check(
         sorted_experts.dtype == torch.int32 and sorted_experts.dim() == 1,
         f"{name}: input must be a 1-D int32 tensor, got {sorted_experts.dtype} {tuple(sorted_experts.shape)}",
@@ -1020,53 +1259,52 @@ def _check_permute(tokens: Tensor, indices: Tensor, padded_mode: bool) -> int:
     return topk
 
 
-def _permute(tokens: Tensor, indices: Tensor, topk: int, num_out_tokens: int | None) -> tuple[Tensor, Tensor]:
-    order = torch.argsort(indices.reshape(-1), stable=True)
-    n = order.numel() if not num_out_tokens or num_out_tokens <= 0 else min(num_out_tokens, order.numel())
-    # sorted_indices is the INVERSE of Megatron's: permuted[sorted_indices[f]] = tokens[f // topK].
-    return tokens[order[:n] // topk], torch.argsort(order).to(torch.int32)
-
-
-def _padded_rows(rows: Tensor, index: Tensor) -> Tensor:
-    """rows[index] in fp32, with any index past the end (a dropped token) reading a zero row."""
-    padded = torch.cat((rows.float(), rows.new_zeros((1, rows.shape[1]), dtype=torch.float32)))
-    return padded[index.long().clamp(max=rows.shape[0])]
+def token_permute(
+    profile: Profile,
+    tokens: Tensor,
+    indices: Tensor,
+    num_out_tokens: int | None = None,
+    padded_mode: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Sort token copies by expert: (permuted_tokens, sorted_indices int32 = the inverse permutation)."""
+    _check_permute(tokens, indices, padded_mode)
+    return _reference.npu_moe_token_permute(tokens, indices, num_out_tokens)
 
 
 def _permute_grad(
     grad: Tensor, sorted_indices: Tensor, num_tokens: int, dtype: torch.dtype, topk: int
 ) -> Tensor:
     # Golden: grad.index_select(0, sorted_indices).reshape(-1, topK, H).sum(1); truncated rows give zero.
-    summed = _padded_rows(grad, sorted_indices).reshape(num_tokens, topk, grad.shape[1]).sum(1)
+    summed = _reference.gather_rows(grad, sorted_indices).reshape(num_tokens, topk, grad.shape[1]).sum(1)
     return summed.to(dtype)
 
 
-class _Permute(torch.autograd.Function):
-    """derivatives.yaml: tokens via npu_moe_token_permute_grad_v2(grad, result1, T, dtype, topK, padded)."""
+def token_permute_grad_v2(
+    profile: Profile,
+    grad_permuted_tokens: Tensor,
+    sorted_indices: Tensor,
+    tokens_size_0: int,
+    tokens_dtype: torch.dtype,
+    num_top_k: int,
+    padded_mode: bool = False,
+) -> Tensor:
+    """Backward of npu_moe_token_permute (op-plugin >= 26.1.0): the gradient w.r.t. tokens [T, H]."""
+    _unsupported(padded_mode, "npu_moe_token_permute_grad_v2: padded_mode=True is not modelled")
+    return _permute_grad(grad_permuted_tokens, sorted_indices, tokens_size_0, tokens_dtype, num_top_k)
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        state: _State,
-        tokens: Tensor,
-        indices: Tensor,
-        topk: int,
-        num_out_tokens: int | None,
-        padded_mode: bool,
-    ) -> tuple:
-        permuted, sorted_indices = _permute(tokens, indices, topk, num_out_tokens)
-        ctx.state, ctx.topk, ctx.padded_mode = state, topk, padded_mode
-        ctx.num_tokens, ctx.dtype = tokens.shape[0], tokens.dtype
-        ctx.save_for_backward(sorted_indices)
-        ctx.mark_non_differentiable(sorted_indices)
-        return permuted, sorted_indices
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor, _dsorted: Any) -> tuple:
-        (sorted_indices,) = ctx.saved_tensors
-        grad_op = ctx.state.ops["npu_moe_token_permute_grad_v2"]
-        dtokens = grad_op(grad, sorted_indices, ctx.num_tokens, ctx.dtype, ctx.topk, ctx.padded_mode)
-        return None, dtokens, None, None, None, None
+def token_permute_grad(
+    profile: Profile,
+    tokens: Tensor,
+    grad_permuted_tokens: Tensor,
+    indices: Tensor,
+    sorted_indices: Tensor,
+    padded_mode: bool = False,
+) -> Tensor:
+    """Backward of npu_moe_token_permute (op-plugin 7.2.0 to 26.0.0): the gradient w.r.t. tokens."""
+    _unsupported(padded_mode, "npu_moe_token_permute_grad: padded_mode=True is not modelled")
+    topk = 1 if indices.dim() == 1 else indices.shape[1]
+    return _permute_grad(grad_permuted_tokens, sorted_indices, tokens.shape[0], tokens.dtype, topk)
 
 
 def _check_unpermute(
@@ -1080,18 +1318,27 @@ def _check_unpermute(
         f"{name}: sorted_indices must be 1-D int32, got {sorted_indices.dtype} {tuple(sorted_indices.shape)}",
     )
     if probs is not None:
+        # moe_token_unpermute_def.cpp: every (tokens, probs) pair of bf16/fp16/fp32.
         _check(
             probs.dim() == 2 and probs.dtype in _FLOATS and probs.numel() == sorted_indices.numel(),
             f"{name}: probs must be float [T, topK] with T*topK == {sorted_indices.numel()}",
         )
 
 
-def _unpermute(permuted: Tensor, sorted_indices: Tensor, probs: Tensor | None) -> Tensor:
-    topk = probs.shape[1] if probs is not None else 1
-    rows = _padded_rows(permuted, sorted_indices).reshape(-1, topk, permuted.shape[1])
-    # Accumulating in fp32 and casting once is a choice: the kernel's precision is UNKNOWN.
-    weights = probs.float() if probs is not None else rows.new_ones(rows.shape[:2])
-    return (rows * weights.unsqueeze(-1)).sum(1).to(permuted.dtype)
+def token_unpermute(
+    profile: Profile,
+    permuted_tokens: Tensor,
+    sorted_indices: Tensor,
+    probs: Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape: Sequence[int] | None = None,
+) -> Tensor:
+    """out[t] = sum_k probs[t, k] * permuted_tokens[sorted_indices[t*topK + k]].
+
+    ``restore_shape`` only matters in padded mode, which is not modelled.
+    """
+    _check_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
+    return _reference.npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs)
 
 
 def _unpermute_grad(
@@ -1100,7 +1347,7 @@ def _unpermute_grad(
     num_permuted: int,
     dtype: torch.dtype,
     probs: Tensor | None,
-    permuted: Tensor | None,
+    permuted,
 ) -> tuple[Tensor, Tensor]:
     topk = probs.shape[1] if probs is not None else 1
     hidden = grad.shape[1]
@@ -1112,44 +1359,54 @@ def _unpermute_grad(
     if probs is None:
         # The second output has no documented shape without probs (UNKNOWN); an empty tensor is returned.
         return dpermuted[:num_permuted].to(dtype), grad.new_empty((0,), dtype=dtype)
-    _check(permuted is not None, "npu_moe_token_unpermute_grad_v2: probs gradient needs permuted_tokens")
-    rows = _padded_rows(permuted, sorted_indices).reshape(-1, topk, hidden)
+    _check(permuted is not None, "npu_moe_token_unpermute_grad: the probs gradient needs permuted_tokens")
+    rows = _reference.gather_rows(permuted, sorted_indices).reshape(-1, topk, hidden)
     dprobs = (rows * gf).sum(-1).to(probs.dtype)
     return dpermuted[:num_permuted].to(dtype), dprobs
 
 
-class _Unpermute(torch.autograd.Function):
-    """derivatives.yaml: permuted_tokens, probs via npu_moe_token_unpermute_grad_v2."""
+def token_unpermute_grad_v2(
+    profile: Profile,
+    grad_unpermuted_tokens: Tensor,
+    sorted_indices: Tensor,
+    permuted_tokens_size_0: int,
+    permuted_tokens_dtype: torch.dtype,
+    probs: Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape: Sequence[int] | None = None,
+    permuted_tokens: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Backward of npu_moe_token_unpermute (op-plugin master): (d permuted_tokens, d probs)."""
+    _unsupported(padded_mode, "npu_moe_token_unpermute_grad_v2: padded_mode=True is not modelled")
+    return _unpermute_grad(
+        grad_unpermuted_tokens,
+        sorted_indices,
+        permuted_tokens_size_0,
+        permuted_tokens_dtype,
+        probs,
+        permuted_tokens,
+    )
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        state: _State,
-        permuted: Tensor,
-        sorted_indices: Tensor,
-        probs: Tensor | None,
-        padded_mode: bool,
-        restore_shape: list[int] | None,
-    ) -> Tensor:
-        ctx.state, ctx.padded_mode, ctx.restore_shape = state, padded_mode, restore_shape
-        ctx.has_probs = probs is not None
-        ctx.save_for_backward(permuted, sorted_indices, probs)
-        return _unpermute(permuted, sorted_indices, probs)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple:
-        permuted, sorted_indices, probs = ctx.saved_tensors
-        dpermuted, dprobs = ctx.state.ops["npu_moe_token_unpermute_grad_v2"](
-            grad,
-            sorted_indices,
-            permuted.shape[0],
-            permuted.dtype,
-            probs if ctx.has_probs else None,
-            ctx.padded_mode,
-            ctx.restore_shape,
-            permuted,
-        )
-        return None, dpermuted, None, dprobs if ctx.has_probs else None, None, None
+def token_unpermute_grad(
+    profile: Profile,
+    permuted_tokens: Tensor,
+    grad_unpermuted_tokens: Tensor,
+    sorted_indices: Tensor,
+    probs: Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape: Sequence[int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Backward of npu_moe_token_unpermute (op-plugin 7.2.0 to 26.1.0): (d permuted_tokens, d probs)."""
+    _unsupported(padded_mode, "npu_moe_token_unpermute_grad: padded_mode=True is not modelled")
+    return _unpermute_grad(
+        grad_unpermuted_tokens,
+        sorted_indices,
+        permuted_tokens.shape[0],
+        permuted_tokens.dtype,
+        probs,
+        permuted_tokens,
+    )
 
 
 def _init_routing_v2(
@@ -1278,7 +1535,7 @@ def _finalize_routing(
     # drop_pad_mode 0: column arrangement r = idx[k*N + i]; 2: row arrangement r = idx[i*K + k].
     r = index.reshape(topk, n).T if drop_pad_mode == 0 else index.reshape(n, topk)
     valid = (r >= 0).unsqueeze(-1)
-    term = _padded_rows(rows, torch.where(r >= 0, r, rows.shape[0]))
+    term = _reference.gather_rows(rows, torch.where(r >= 0, r, rows.shape[0]))
     if bias is not None:
         term = term + bias.float()[expert_for_source_row.long()]
     weights = scales.float() if scales is not None else term.new_ones((n, topk))
@@ -1295,524 +1552,394 @@ def _finalize_routing(
 # ----------------------------------------------------------------------------------------------------
 
 
-def build_ops(calls: Counter[str]) -> dict[str, Callable[..., Any]]:
-    """Create one module's op functions; they count into ``calls`` and share one warn-once state."""
-    state = _State(calls)
+def init_routing_v2(
+    profile: Profile,
+    x: Tensor,
+    expert_idx: Tensor,
+    scale: Tensor | None = None,
+    offset: Tensor | None = None,
+    active_num: int = -1,
+    expert_capacity: int = -1,
+    expert_num: int = -1,
+    drop_pad_mode: int = 0,
+    expert_tokens_num_type: int = 0,
+    expert_tokens_num_flag: bool = False,
+    quant_mode: int = -1,
+    active_expert_range: Sequence[int] = (),
+    row_idx_type: int = 0,
+    x_dtype: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Dropless, non-quantised MoE routing; no autograd (generic fallback).
 
-    def npu_rms_norm(input: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple[Tensor, Tensor]:
-        """RMSNorm over the last gamma.dim() dims; returns (y [x.dtype], rstd [fp32])."""
-        calls["npu_rms_norm"] += 1
-        _check_rms_norm("npu_rms_norm", input, gamma)
-        return _RmsNorm.apply(state, input, gamma, epsilon)
+    ``expert_capacity`` only matters in drop/pad mode, which is not modelled. Up to op-plugin 7.3.0 the
+    schema's default quant_mode is 0 (static quant): a call without quant_mode=-1 is refused there.
+    """
+    name = "npu_moe_init_routing_v2"
+    _check(drop_pad_mode in (0, 1), f"{name}: drop_pad_mode {drop_pad_mode} invalid")
+    _check(quant_mode in (-1, 0, 1, 2, 3), f"{name}: quant_mode {quant_mode} invalid")
+    _unsupported(drop_pad_mode == 1, f"{name}: drop/pad mode (drop_pad_mode=1)")
+    _unsupported(quant_mode != -1, f"{name}: quantisation (quant_mode={quant_mode})")
+    _unsupported(offset is not None or x_dtype is not None, f"{name}: offset/x_dtype (quant)")
+    return _init_routing_v2(
+        x,
+        expert_idx,
+        scale,
+        active_num,
+        expert_num,
+        expert_tokens_num_type,
+        expert_tokens_num_flag,
+        active_expert_range,
+        row_idx_type,
+    )
 
-    def npu_rms_norm_backward(
-        dy: Tensor, input: Tensor, gamma: Tensor, rstd: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Backward of npu_rms_norm: (dx [x.dtype], dgamma [fp32, gamma.shape])."""
-        calls["npu_rms_norm_backward"] += 1
-        return _rms_norm_backward(dy, input, gamma, rstd)
 
-    def npu_gemma_rms_norm(input: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple[Tensor, Tensor]:
-        """Gemma RMSNorm, y = x*rstd*(1+gamma); no autograd kernel (generic fallback)."""
-        calls["npu_gemma_rms_norm"] += 1
-        # The dtype table is documented for npu_rms_norm only (UNKNOWN here); the same pairs are enforced.
-        _check_rms_norm("npu_gemma_rms_norm", input, gamma)
-        return _WarnNotImplemented.apply(
-            state, "npu_gemma_rms_norm", lambda: _gemma_rms_norm(input, gamma, epsilon), input, gamma
-        )
+def finalize_routing(
+    profile: Profile,
+    expanded_permuted_rows: Tensor,
+    skip1: Tensor | None,
+    skip2: Tensor | None,
+    bias: Tensor | None,
+    scales: Tensor | None,
+    expanded_src_to_dst_row: Tensor,
+    export_for_source_row: Tensor | None,
+    drop_pad_mode: int | None = 0,
+    k: int | None = 1,
+) -> Tensor:
+    """Weighted sum of the experts' rows back per token (+ skips); no autograd (generic fallback)."""
+    drop_pad_mode = 0 if drop_pad_mode is None else drop_pad_mode
+    _check(drop_pad_mode in (0, 1, 2, 3), f"npu_moe_finalize_routing: drop_pad_mode {drop_pad_mode} invalid")
+    _unsupported(drop_pad_mode in (1, 3), "npu_moe_finalize_routing: drop/pad rows [E, C, H] (modes 1, 3)")
+    return _finalize_routing(
+        expanded_permuted_rows,
+        skip1,
+        skip2,
+        bias,
+        scales,
+        expanded_src_to_dst_row,
+        export_for_source_row,
+        drop_pad_mode,
+        1 if k is None else k,
+    )
 
-    def npu_add_rms_norm(
-        x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float = 1e-06
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Residual add then RMSNorm: returns (y, rstd, x1 + x2); backward raises."""
-        calls["npu_add_rms_norm"] += 1
-        _check_add_rms_norm(x1, x2, gamma)
-        return _RaiseInBackward.apply(
-            _not_implemented_message("npu_add_rms_norm"),
-            lambda: _add_rms_norm(x1, x2, gamma, epsilon),
-            x1,
-            x2,
-            gamma,
-        )
 
-    def npu_swiglu(input: Tensor, dim: int = -1) -> Tensor:
-        """silu(first half) * second half along dim, fp32 inside."""
-        calls["npu_swiglu"] += 1
-        _check_swiglu("npu_swiglu", input, dim)
-        return _Swiglu.apply(state, input, dim)
+# ----------------------------------------------------------------------------------------------------
+# Fake (meta) kernels: output shapes and dtypes only, so that torch.compile and torch.export see the ops
+# as opaque, as they see torch_npu's (op_plugin/meta/_meta_registrations.py).
+# ----------------------------------------------------------------------------------------------------
 
-    def npu_swiglu_backward(grad_output: Tensor, input: Tensor, dim: int = -1) -> Tensor:
-        """Backward of npu_swiglu: the gradient w.r.t. input, in input's dtype."""
-        calls["npu_swiglu_backward"] += 1
-        _check_swiglu("npu_swiglu_backward", input, dim)
-        return _swiglu_backward(grad_output, input, dim)
 
-    def npu_rotary_mul(
-        input: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "half", rotate: Tensor | None = None
-    ) -> Tensor:
-        """x*r1 + rotate(x)*r2 with full-head-dim r1 (cos) and r2 (sin)."""
-        calls["npu_rotary_mul"] += 1
-        _check_rotary(input, r1, r2, rotary_mode, rotate)
-        if rotate is None:
-            return _RotaryMul.apply(state, input, r1, r2, rotary_mode)
-        # derivatives.yaml marks rotate non-differentiable and the backward op cannot take it (§11.6).
-        (out,) = _RaiseInBackward.apply(
-            "npu_rotary_mul: backward is not supported when a rotate matrix is given",
-            lambda: (_rotary_forward(input, r1, r2, rotary_mode, rotate),),
-            input,
-            r1,
-            r2,
-            rotate,
-        )
-        return out
+def _empty(shape: Sequence[int], dtype: torch.dtype, like: Tensor) -> Tensor:
+    return like.new_empty(tuple(shape), dtype=dtype)
 
-    def npu_rotary_mul_backward(
-        grad: Tensor, input: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "half"
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Backward of npu_rotary_mul: (dx, dr1, dr2) in x's dtype, dr1/dr2 summed to r1/r2 shapes."""
-        calls["npu_rotary_mul_backward"] += 1
-        return _rotary_backward(grad, input, r1, r2, rotary_mode)
 
-    def npu_apply_rotary_pos_emb(
-        query: Tensor, key: Tensor, cos: Tensor, sin: Tensor, layout: str = "BSND", rotary_mode: str = "half"
-    ) -> tuple[Tensor, Tensor]:
-        """RoPE on query and key IN PLACE; returns the same (mutated) tensor objects."""
-        calls["npu_apply_rotary_pos_emb"] += 1
-        _check_apply_rope(query, key, cos, sin, layout, rotary_mode)
-        new_query, new_key = _RaiseInBackward.apply(
-            _not_implemented_message("npu_apply_rotary_pos_emb"),
-            lambda: (
-                _rotary_forward(query, cos, sin, "half", None),
-                _rotary_forward(key, cos, sin, "half", None),
-            ),
-            query,
-            key,
-            cos,
-            sin,
-        )
-        # The copy records the mutation for autograd, so backward reaches the raising node.
-        query.copy_(new_query)
-        key.copy_(new_key)
-        return query, key
+def _fake_rms_norm(profile: Profile, input: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple:
+    lead = input.shape[: input.dim() - gamma.dim()]
+    return torch.empty_like(input), _empty((*lead, *([1] * gamma.dim())), torch.float32, input)
 
-    def npu_fusion_attention(
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        head_num: int,
-        input_layout: str,
-        pse: Tensor | None = None,
-        padding_mask: Tensor | None = None,
-        atten_mask: Tensor | None = None,
-        scale: float = 1.0,
-        keep_prob: float = 1.0,
-        pre_tockens: int = 2147483647,
-        next_tockens: int = 2147483647,
-        inner_precise: int = 0,
-        prefix: Sequence[int] | None = None,
-        actual_seq_qlen: Sequence[int] | None = None,
-        actual_seq_kvlen: Sequence[int] | None = None,
-        sparse_mode: int = 0,
-        gen_mask_parallel: bool = True,
-        sync: bool = False,
-        softmax_layout: str = "",
-        sink: Tensor | None = None,
-        dropout_mask: Tensor | None = None,
-        seed: int = 0,
-        offset: int = 0,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, int, int, int]:
-        """softmax(mask(scale * (q @ k^T + pse))) @ v without dropout, fp32 inside; real backward.
 
-        Returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels). With keep_prob 1
-        no dropout mask is drawn, so seed and offset are 0 (§12) and the seed/offset arguments, like
-        gen_mask_parallel and sync, have nothing to act on.
-        """
-        name = "npu_fusion_attention"
-        calls[name] += 1
-        options = {
-            "keep_prob": keep_prob,
-            "pre_tockens": pre_tockens,
-            "next_tockens": next_tockens,
-            "inner_precise": inner_precise,
-            "actual_seq_qlen": actual_seq_qlen,
-            "actual_seq_kvlen": actual_seq_kvlen,
-            "sparse_mode": sparse_mode,
-            "softmax_layout": softmax_layout,
-        }
-        unmodelled = {
-            "padding_mask": padding_mask,  # documented as "not supported yet"
-            "prefix": prefix,
-            "sink": sink,
-            "dropout_mask": dropout_mask,
-        }
-        geo, keep = _fa_prepare(
-            name, query, key, value, head_num, input_layout, pse, atten_mask, options, unmodelled
-        )
-        numels = _fa_numels(geo, head_num, actual_seq_qlen, actual_seq_kvlen)
-        grad_args = {
-            **options,
-            "head_num": head_num,
-            "input_layout": input_layout,
-            "atten_mask": atten_mask,
-            "scale_value": float(scale),
-            "seed": 0,
-            "offset": 0,
-            "numels": numels,
-            "gen_mask_parallel": gen_mask_parallel,
-            "sync": sync,
-        }
-        result = _FusionAttention.apply(state, geo, keep, grad_args, query, key, value, pse)
-        return (*result, 0, 0, numels)
+def _fake_rms_norm_backward(
+    profile: Profile, dy: Tensor, input: Tensor, gamma: Tensor, rstd: Tensor
+) -> tuple:
+    return torch.empty_like(input), _empty(gamma.shape, torch.float32, gamma)
 
-    def npu_fusion_attention_grad(
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        dy: Tensor,
-        head_num: int,
-        input_layout: str,
-        *,
-        pse: Tensor | None = None,
-        padding_mask: Tensor | None = None,
-        atten_mask: Tensor | None = None,
-        softmax_max: Tensor | None = None,
-        softmax_sum: Tensor | None = None,
-        softmax_in: Tensor | None = None,
-        attention_in: Tensor | None = None,
-        scale_value: float = 1.0,
-        keep_prob: float = 1.0,
-        pre_tockens: int = 2147483647,
-        next_tockens: int = 2147483647,
-        inner_precise: int = 0,
-        seed: int = 0,
-        offset: int = 0,
-        numels: int = 0,
-        prefix: Sequence[int] | None = None,
-        actual_seq_qlen: Sequence[int] | None = None,
-        actual_seq_kvlen: Sequence[int] | None = None,
-        sparse_mode: int = 0,
-        gen_mask_parallel: bool = True,
-        sync: bool = False,
-        softmax_layout: str = "",
-        sink: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-        """Backward of npu_fusion_attention: (dq, dk, dv, dpse, dsink), each in its input's dtype and shape.
 
-        The schema is op-plugin's (the reference quotes only the forward's); dpse is None without pse, as the
-        C++ adapter returns an undefined tensor, and dsink is None (sink is not modelled). The forward's
-        softmax_max, softmax_sum and attention_out are required: the gradient is built from them, as on the
-        device. softmax_in is the reserved empty tensor and is not read.
-        """
-        name = "npu_fusion_attention_grad"
-        calls[name] += 1
-        options = {
-            "keep_prob": keep_prob,
-            "pre_tockens": pre_tockens,
-            "next_tockens": next_tockens,
-            "inner_precise": inner_precise,
-            "actual_seq_qlen": actual_seq_qlen,
-            "actual_seq_kvlen": actual_seq_kvlen,
-            "sparse_mode": sparse_mode,
-            "softmax_layout": softmax_layout,
-        }
-        unmodelled = {"padding_mask": padding_mask, "prefix": prefix, "sink": sink}
-        geo, keep = _fa_prepare(
-            name, query, key, value, head_num, input_layout, pse, atten_mask, options, unmodelled
-        )
-        _unsupported(
-            softmax_max is None or softmax_sum is None or attention_in is None,
-            f"{name}: without the forward's softmax_max, softmax_sum and attention_in",
-        )
-        out_dim = geo.heads * geo.v_dim if geo.layout in ("BSH", "SBH") else geo.v_dim
-        expected = (*query.shape[:-1], out_dim)
-        for label, t in (("dy", dy), ("attention_in", attention_in)):
-            _check(
-                tuple(t.shape) == expected and t.dtype == query.dtype,
-                f"{name}: {label} must be {query.dtype} {list(expected)}, got {t.dtype} {tuple(t.shape)}",
-            )
-        row_max = _fa_unpack_stats(name, "softmax_max", softmax_max, geo, softmax_layout)
-        row_sum = _fa_unpack_stats(name, "softmax_sum", softmax_sum, geo, softmax_layout)
-        grads = _fa_backward(
-            geo, keep, scale_value, (query, key, value, pse), dy, attention_in, row_max, row_sum
-        )
-        return (*grads, None)
+def _fake_add_rms_norm(
+    profile: Profile, x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float = 1e-06
+) -> tuple:
+    y, rstd = _fake_rms_norm(profile, x1, gamma)
+    return y, rstd, torch.empty_like(x1)
 
-    def npu_grouped_matmul(
-        x: Sequence[Tensor],
-        weight: Sequence[Tensor],
-        *,
-        bias: Sequence[Tensor] | None = None,
-        scale: Sequence[Tensor] | None = None,
-        offset: Sequence[Tensor] | None = None,
-        antiquant_scale: Sequence[Tensor] | None = None,
-        antiquant_offset: Sequence[Tensor] | None = None,
-        per_token_scale: Sequence[Tensor] | None = None,
-        group_list: Tensor | None = None,
-        activation_input: Sequence[Tensor] | None = None,
-        activation_quant_scale: Sequence[Tensor] | None = None,
-        activation_quant_offset: Sequence[Tensor] | None = None,
-        split_item: int | None = 0,
-        group_type: int | None = None,
-        group_list_type: int | None = 0,
-        act_type: int | None = 0,
-        tuning_config: Sequence[int] | None = None,
-        output_dtype: torch.dtype | None = None,
-        x_dtype: int | None = None,
-        weight_dtype: int | None = None,
-        scale_dtype: int | None = None,
-        per_token_scale_dtype: int | None = None,
-    ) -> list[Tensor]:
-        """Grouped x_i @ weight_i (+ bias_i), non-quantised, as a list; no autograd (generic fallback).
 
-        ``tuning_config`` is a performance hint only and is ignored.
-        """
-        calls["npu_grouped_matmul"] += 1
-        quant = {
-            "scale": scale,
-            "offset": offset,
-            "antiquant_scale": antiquant_scale,
-            "antiquant_offset": antiquant_offset,
-            "per_token_scale": per_token_scale,
-            "activation_input": activation_input,
-            "activation_quant_scale": activation_quant_scale,
-            "activation_quant_offset": activation_quant_offset,
-            "x_dtype": x_dtype,
-            "weight_dtype": weight_dtype,
-            "scale_dtype": scale_dtype,
-            "per_token_scale_dtype": per_token_scale_dtype,
-        }
-        given = sorted(k for k, v in quant.items() if v is not None)
-        _unsupported(bool(given), f"npu_grouped_matmul: quantised path ({', '.join(given)}) is not modelled")
-        _unsupported(act_type != 0, f"npu_grouped_matmul: act_type={act_type} (per-token quant only)")
-        _unsupported(group_list_type == 2, "npu_grouped_matmul: group_list_type=2 (int8 quant only)")
-        _unsupported(
-            group_list is not None and not isinstance(group_list, Tensor),
-            "npu_grouped_matmul: the legacy .List overload (group_list as a Python list)",
-        )
-        _unsupported(
-            output_dtype is not None and not isinstance(output_dtype, torch.dtype),
-            "npu_grouped_matmul: integer (ACL) output_dtype codes",
-        )
-        for label, arg in (("x", x), ("weight", weight), ("bias", bias)):
-            if arg is not None and not isinstance(arg, list | tuple):
-                raise TypeError(
-                    f"npu_grouped_matmul: {label} must be a list of tensors, got {type(arg).__name__}"
-                )
-        _check(group_type is not None, "Requires manual passing group_type, current is None.")
-        _check(group_type in (-1, 0, 2), f"The group_type must be -1, 0 or 2, but now is [{group_type}]")
-        _check(len(x) > 0 and len(weight) > 0, "Invalid inputs: neither x nor weight could be empty.")
-        _check(split_item in (0, 1, 2, 3), f"Invalid value of split_item [{split_item}], should be 0/1/2/3.")
-        n_entries = max(len(x), len(weight), len(bias or ()))
-        _check(n_entries <= 128, f"npu_grouped_matmul: at most 128 list entries, got {n_entries}")
-        if group_list is not None:
-            _check(
-                group_list.dtype == torch.int64,
-                f"npu_grouped_matmul: group_list must be int64, got {group_list.dtype}",
-            )
-            _check(
-                group_list.dim() == 1 and 1 <= group_list.numel() <= 1024,
-                f"npu_grouped_matmul: group_list must be 1-D with 1..1024 groups, got {group_list.shape}",
-            )
-            _check(
-                group_list_type in (0, 1), f"npu_grouped_matmul: group_list_type {group_list_type} invalid"
-            )
-        outs = _WarnNotImplemented.apply(
-            state,
-            "npu_grouped_matmul",
-            lambda: _grouped_matmul(
-                x, weight, bias, group_list, split_item, group_type, group_list_type, output_dtype
-            ),
-            *x,
-            *weight,
-            *(bias or ()),
-        )
-        return list(outs)
+def _fake_swiglu(profile: Profile, input: Tensor, dim: int = -1) -> Tensor:
+    shape = list(input.shape)
+    shape[dim] //= 2
+    return _empty(shape, input.dtype, input)
 
-    def npu_moe_gating_top_k_softmax(
-        x: Tensor, finished: Tensor | None = None, k: int = 1
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """(top-k softmax probs [x.dtype], expert_idx int32, row_idx int32); backward raises."""
-        calls["npu_moe_gating_top_k_softmax"] += 1
-        _check_gating(x, finished, k)
-        return _RaiseInBackward.apply(
-            _not_implemented_message("npu_moe_gating_top_k_softmax"),
-            lambda: _gating_top_k_softmax(x, finished, k),
-            x,
-        )
 
-    def npu_moe_compute_expert_tokens(sorted_expert_for_source_row: Tensor, num_expert: int) -> Tensor:
-        """Cumulative token counts per expert (int32), usable as group_list type 0."""
-        calls["npu_moe_compute_expert_tokens"] += 1
-        return _compute_expert_tokens(sorted_expert_for_source_row, num_expert)
+def _fake_swiglu_backward(profile: Profile, grad_output: Tensor, input: Tensor, dim: int = -1) -> Tensor:
+    return torch.empty_like(input)
 
-    def npu_moe_init_routing_v2(
-        x: Tensor,
-        expert_idx: Tensor,
-        *,
-        scale: Tensor | None = None,
-        offset: Tensor | None = None,
-        active_num: int = -1,
-        expert_capacity: int = -1,
-        expert_num: int = -1,
-        drop_pad_mode: int = 0,
-        expert_tokens_num_type: int = 0,
-        expert_tokens_num_flag: bool = False,
-        quant_mode: int = -1,
-        active_expert_range: Sequence[int] = [],  # the schema's default; never mutated
-        row_idx_type: int = 0,
-        x_dtype: int | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Dropless, non-quantised MoE routing; no autograd (generic fallback).
 
-        ``expert_capacity`` only matters in drop/pad mode, which is not modelled.
-        """
-        calls["npu_moe_init_routing_v2"] += 1
-        _check(drop_pad_mode in (0, 1), f"npu_moe_init_routing_v2: drop_pad_mode {drop_pad_mode} invalid")
-        _check(quant_mode in (-1, 0, 1, 2, 3), f"npu_moe_init_routing_v2: quant_mode {quant_mode} invalid")
-        _unsupported(drop_pad_mode == 1, "npu_moe_init_routing_v2: drop/pad mode (drop_pad_mode=1)")
-        _unsupported(quant_mode != -1, f"npu_moe_init_routing_v2: quantisation (quant_mode={quant_mode})")
-        _unsupported(
-            offset is not None or x_dtype is not None, "npu_moe_init_routing_v2: offset/x_dtype (quant)"
-        )
-        return _WarnNotImplemented.apply(
-            state,
-            "npu_moe_init_routing_v2",
-            lambda: _init_routing_v2(
-                x,
-                expert_idx,
-                scale,
-                active_num,
-                expert_num,
-                expert_tokens_num_type,
-                expert_tokens_num_flag,
-                active_expert_range,
-                row_idx_type,
-            ),
-            x,
-            *(() if scale is None else (scale,)),
-        )
+def _fake_rotary_mul(profile: Profile, input: Tensor, r1: Tensor, r2: Tensor, *args: Any) -> Tensor:
+    return torch.empty_like(input)
 
-    def npu_moe_finalize_routing(
-        expanded_permuted_rows: Tensor,
-        skip1: Tensor | None,
-        skip2: Tensor | None,
-        bias: Tensor | None,
-        scales: Tensor | None,
-        expanded_src_to_dst_row: Tensor,
-        export_for_source_row: Tensor | None,
-        drop_pad_mode: int | None = 0,
-        k: int | None = 1,
-    ) -> Tensor:
-        """Weighted sum of the experts' rows back per token (+ skips); no autograd (generic fallback)."""
-        calls["npu_moe_finalize_routing"] += 1
-        _check(
-            drop_pad_mode in (0, 1, 2, 3), f"npu_moe_finalize_routing: drop_pad_mode {drop_pad_mode} invalid"
-        )
-        _unsupported(
-            drop_pad_mode in (1, 3), "npu_moe_finalize_routing: drop/pad rows [E, C, H] (modes 1, 3)"
-        )
-        tensors = [t for t in (expanded_permuted_rows, skip1, skip2, bias, scales) if t is not None]
-        (out,) = _WarnNotImplemented.apply(
-            state,
-            "npu_moe_finalize_routing",
-            lambda: (
-                _finalize_routing(
-                    expanded_permuted_rows,
-                    skip1,
-                    skip2,
-                    bias,
-                    scales,
-                    expanded_src_to_dst_row,
-                    export_for_source_row,
-                    drop_pad_mode,
-                    k,
-                ),
-            ),
-            *tensors,
-        )
-        return out
 
-    def npu_moe_token_permute(
-        tokens: Tensor, indices: Tensor, num_out_tokens: int | None = None, padded_mode: bool = False
-    ) -> tuple[Tensor, Tensor]:
-        """Sort token copies by expert: (permuted_tokens, sorted_indices int32 = the inverse permutation)."""
-        calls["npu_moe_token_permute"] += 1
-        topk = _check_permute(tokens, indices, padded_mode)
-        return _Permute.apply(state, tokens, indices, topk, num_out_tokens, padded_mode)
+def _fake_rotary_mul_backward(
+    profile: Profile, grad: Tensor, input: Tensor, r1: Tensor, r2: Tensor, *args
+) -> tuple:
+    return torch.empty_like(input), _empty(r1.shape, input.dtype, input), _empty(r2.shape, input.dtype, input)
 
-    def npu_moe_token_permute_grad_v2(
-        grad_permuted_tokens: Tensor,
-        sorted_indices: Tensor,
-        tokens_size_0: int,
-        tokens_dtype: torch.dtype,
-        num_topK: int,
-        padded_mode: bool = False,
-    ) -> Tensor:
-        """Backward of npu_moe_token_permute: the gradient w.r.t. tokens [T, H]."""
-        calls["npu_moe_token_permute_grad_v2"] += 1
-        _unsupported(padded_mode, "npu_moe_token_permute_grad_v2: padded_mode=True is not modelled")
-        return _permute_grad(grad_permuted_tokens, sorted_indices, tokens_size_0, tokens_dtype, num_topK)
 
-    def npu_moe_token_unpermute(
-        permuted_tokens: Tensor,
-        sorted_indices: Tensor,
-        probs: Tensor | None = None,
-        padded_mode: bool = False,
-        restore_shape: Sequence[int] | None = None,
-    ) -> Tensor:
-        """out[t] = sum_k probs[t, k] * permuted_tokens[sorted_indices[t*topK + k]].
+def _fake_apply_rotary_pos_emb(profile: Profile, query: Tensor, key: Tensor, *args: Any) -> tuple:
+    return torch.empty_like(query), torch.empty_like(key)
 
-        ``restore_shape`` only matters in padded mode, which is not modelled.
-        """
-        calls["npu_moe_token_unpermute"] += 1
-        _check_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
-        return _Unpermute.apply(state, permuted_tokens, sorted_indices, probs, padded_mode, restore_shape)
 
-    def npu_moe_token_unpermute_grad_v2(
-        grad_unpermuted_tokens: Tensor,
-        sorted_indices: Tensor,
-        permuted_tokens_size_0: int,
-        permuted_tokens_dtype: torch.dtype,
-        probs: Tensor | None = None,
-        padded_mode: bool = False,
-        restore_shape: Sequence[int] | None = None,
-        permuted_tokens: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """Backward of npu_moe_token_unpermute: (d permuted_tokens, d probs)."""
-        calls["npu_moe_token_unpermute_grad_v2"] += 1
-        _unsupported(padded_mode, "npu_moe_token_unpermute_grad_v2: padded_mode=True is not modelled")
-        return _unpermute_grad(
-            grad_unpermuted_tokens,
-            sorted_indices,
-            permuted_tokens_size_0,
-            permuted_tokens_dtype,
-            probs,
-            permuted_tokens,
-        )
+def _fake_fusion_attention(
+    profile: Profile,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    head_num: int,
+    input_layout: str,
+    *args: Any,
+) -> tuple:
+    options = dict(zip(_FA_OPTION_NAMES, args, strict=False))
+    layout = input_layout.upper()
+    qlen, kvlen = options.get("actual_seq_qlen"), options.get("actual_seq_kvlen")
+    geo = _fa_geometry("npu_fusion_attention", query, key, value, head_num, layout, qlen, kvlen)
+    out_dim = geo.heads * geo.v_dim if layout in ("BSH", "SBH") else geo.v_dim
+    stats = (
+        (geo.q_len, geo.heads, _FA_STATS) if layout == "TND" else (geo.batch, geo.heads, geo.q_len, _FA_STATS)
+    )
+    return (
+        _empty((*query.shape[:-1], out_dim), query.dtype, query),
+        _empty(stats, torch.float32, query),
+        _empty(stats, torch.float32, query),
+        _empty((0,), query.dtype, query),
+        0,
+        0,
+        _fa_numels(geo, head_num, qlen, kvlen),
+    )
 
-    ops = [
-        npu_rms_norm,
-        npu_rms_norm_backward,
-        npu_gemma_rms_norm,
-        npu_add_rms_norm,
-        npu_swiglu,
-        npu_swiglu_backward,
-        npu_rotary_mul,
-        npu_rotary_mul_backward,
-        npu_apply_rotary_pos_emb,
-        npu_fusion_attention,
-        npu_fusion_attention_grad,
-        npu_grouped_matmul,
-        npu_moe_gating_top_k_softmax,
-        npu_moe_compute_expert_tokens,
-        npu_moe_init_routing_v2,
-        npu_moe_finalize_routing,
-        npu_moe_token_permute,
-        npu_moe_token_permute_grad_v2,
-        npu_moe_token_unpermute,
-        npu_moe_token_unpermute_grad_v2,
-    ]
-    for op in ops:  # read as torch_npu's own functions in reprs and tracebacks
-        op.__module__, op.__qualname__ = "torch_npu", op.__name__
-    state.ops.update({op.__name__: op for op in ops})
-    return dict(state.ops)
+
+# The positional parameters of npu_fusion_attention after input_layout, in schema order.
+_FA_OPTION_NAMES = (
+    "pse",
+    "padding_mask",
+    "atten_mask",
+    "scale",
+    "keep_prob",
+    "pre_tockens",
+    "next_tockens",
+    "inner_precise",
+    "prefix",
+    "actual_seq_qlen",
+    "actual_seq_kvlen",
+    "sparse_mode",
+    "gen_mask_parallel",
+    "sync",
+    "softmax_layout",
+    "sink",
+    "dropout_mask",
+    "seed",
+    "offset",
+)
+
+
+def _fake_fusion_attention_grad(
+    profile: Profile,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    dy: Tensor,
+    head_num: int,
+    input_layout: str,
+    *args,
+) -> tuple:
+    pse = args[0] if args else None
+    grads = (
+        torch.empty_like(query),
+        torch.empty_like(key),
+        torch.empty_like(value),
+        None if pse is None else torch.empty_like(pse),
+    )
+    return grads if "sink" not in profile.schemas["npu_fusion_attention_grad"] else (*grads, None)
+
+
+def _fake_grouped_matmul(profile: Profile, x: Sequence[Tensor], weight: Sequence[Tensor], *args: Any) -> list:
+    options = dict(zip(_GMM_OPTION_NAMES, args, strict=False))
+    split_item = options.get("split_item") or 0
+    group_type = options.get("group_type")
+    group_list = options.get("group_list")
+    dtype = options.get("output_dtype") or x[0].dtype
+    n = weight[0].shape[-1]
+    if group_type == 2:
+        return [_empty((group_list.shape[0], x[0].shape[0], n), dtype, x[0])]
+    if split_item in (2, 3):
+        return [_empty((sum(t.shape[0] for t in x), n), dtype, x[0])]
+    if group_type == -1 or group_list is None:
+        weights = list(weight[0].unbind(0)) if len(weight) == 1 and weight[0].dim() == 3 else list(weight)
+        return [_empty((*t.shape[:-1], w.shape[-1]), dtype, t) for t, w in zip(x, weights, strict=True)]
+    ctx = torch.library.get_ctx()  # split_item 0/1: the rows of each group depend on group_list's values
+    return [_empty((ctx.new_dynamic_size(), n), dtype, x[0]) for _ in range(group_list.shape[0])]
+
+
+# The parameters of npu_grouped_matmul after weight, in schema order.
+_GMM_OPTION_NAMES = (
+    "bias",
+    "scale",
+    "offset",
+    "antiquant_scale",
+    "antiquant_offset",
+    "per_token_scale",
+    "group_list",
+    "activation_input",
+    "activation_quant_scale",
+    "activation_quant_offset",
+    "split_item",
+    "group_type",
+    "group_list_type",
+    "act_type",
+    "tuning_config",
+    "output_dtype",
+)
+
+
+def _fake_gating(profile: Profile, x: Tensor, finished: Tensor | None = None, k: int = 1) -> tuple:
+    shape = (*x.shape[:-1], k)
+    return _empty(shape, x.dtype, x), _empty(shape, torch.int32, x), _empty(shape, torch.int32, x)
+
+
+def _fake_compute_expert_tokens(
+    profile: Profile, sorted_expert_for_source_row: Tensor, num_expert: int
+) -> Tensor:
+    return _empty((num_expert,), torch.int32, sorted_expert_for_source_row)
+
+
+def _fake_init_routing_v2(profile: Profile, x: Tensor, expert_idx: Tensor, *args: Any) -> tuple:
+    options = dict(zip(_INIT_ROUTING_OPTION_NAMES, args, strict=False))
+    n, k = expert_idx.shape
+    active_num = options.get("active_num", -1)
+    rows = n * k if active_num <= 0 else min(active_num, n * k)
+    if not options.get("expert_tokens_num_flag", False):
+        tokens_shape: tuple[int, ...] = ()
+    elif options.get("expert_tokens_num_type", 0) == 2:
+        tokens_shape = (options.get("expert_num", -1), 2)
+    else:
+        span = options.get("active_expert_range") or (0, options.get("expert_num", -1))
+        tokens_shape = (span[1] - span[0],)
+    return (
+        _empty((rows, x.shape[1]), x.dtype, x),
+        _empty((n * k,), torch.int32, x),
+        _empty(tokens_shape, torch.int64, x),
+        _empty((rows,), torch.float32, x),
+    )
+
+
+# The parameters of npu_moe_init_routing_v2 after expert_idx, in schema order.
+_INIT_ROUTING_OPTION_NAMES = (
+    "scale",
+    "offset",
+    "active_num",
+    "expert_capacity",
+    "expert_num",
+    "drop_pad_mode",
+    "expert_tokens_num_type",
+    "expert_tokens_num_flag",
+    "quant_mode",
+    "active_expert_range",
+    "row_idx_type",
+    "x_dtype",
+)
+
+
+def _fake_finalize_routing(
+    profile: Profile,
+    rows: Tensor,
+    skip1,
+    skip2,
+    bias,
+    scales,
+    src_to_dst: Tensor,
+    experts,
+    drop_pad_mode=0,
+    k=1,
+) -> Tensor:
+    topk = scales.shape[1] if scales is not None else (1 if k is None else k)
+    return _empty((src_to_dst.shape[0] // topk, rows.shape[1]), rows.dtype, rows)
+
+
+def _fake_permute(
+    profile: Profile,
+    tokens: Tensor,
+    indices: Tensor,
+    num_out_tokens: int | None = None,
+    padded_mode: bool = False,
+) -> tuple:
+    total = indices.numel()
+    rows = total if not num_out_tokens or num_out_tokens <= 0 else min(num_out_tokens, total)
+    return _empty((rows, tokens.shape[1]), tokens.dtype, tokens), _empty((total,), torch.int32, tokens)
+
+
+def _fake_permute_grad_v2(
+    profile: Profile,
+    grad: Tensor,
+    sorted_indices: Tensor,
+    tokens_size_0: int,
+    tokens_dtype,
+    num_topk: int,
+    *args,
+) -> Tensor:
+    return _empty((tokens_size_0, grad.shape[1]), tokens_dtype, grad)
+
+
+def _fake_permute_grad(profile: Profile, tokens: Tensor, *args: Any) -> Tensor:
+    return torch.empty_like(tokens)
+
+
+def _fake_unpermute(
+    profile: Profile, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None = None, *args
+) -> Tensor:
+    topk = probs.shape[1] if probs is not None else 1
+    return _empty(
+        (sorted_indices.shape[0] // topk, permuted_tokens.shape[1]), permuted_tokens.dtype, permuted_tokens
+    )
+
+
+def _fake_unpermute_grad_v2(
+    profile: Profile,
+    grad: Tensor,
+    sorted_indices: Tensor,
+    size_0: int,
+    dtype,
+    probs: Tensor | None = None,
+    *args,
+) -> tuple:
+    dprobs = torch.empty_like(probs) if probs is not None else _empty((0,), dtype, grad)
+    return _empty((size_0, grad.shape[1]), dtype, grad), dprobs
+
+
+def _fake_unpermute_grad(
+    profile: Profile,
+    permuted_tokens: Tensor,
+    grad: Tensor,
+    sorted_indices: Tensor,
+    probs: Tensor | None = None,
+    *args,
+) -> tuple:
+    dprobs = torch.empty_like(probs) if probs is not None else _empty((0,), permuted_tokens.dtype, grad)
+    return torch.empty_like(permuted_tokens), dprobs
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """How the stand-in computes one op (checks and math) and what its fake kernel returns."""
+
+    impl: Any
+    fake: Any
+
+
+OP_DEFS: dict[str, OpDef] = {
+    "npu_rms_norm": OpDef(rms_norm, _fake_rms_norm),
+    "npu_rms_norm_backward": OpDef(rms_norm_backward, _fake_rms_norm_backward),
+    "npu_gemma_rms_norm": OpDef(gemma_rms_norm, _fake_rms_norm),
+    "npu_add_rms_norm": OpDef(add_rms_norm, _fake_add_rms_norm),
+    "npu_swiglu": OpDef(swiglu, _fake_swiglu),
+    "npu_swiglu_backward": OpDef(swiglu_backward, _fake_swiglu_backward),
+    "npu_rotary_mul": OpDef(rotary_mul, _fake_rotary_mul),
+    "npu_rotary_mul_backward": OpDef(rotary_mul_backward, _fake_rotary_mul_backward),
+    "npu_apply_rotary_pos_emb": OpDef(apply_rotary_pos_emb, _fake_apply_rotary_pos_emb),
+    "npu_fusion_attention": OpDef(fusion_attention, _fake_fusion_attention),
+    "npu_fusion_attention_grad": OpDef(fusion_attention_grad, _fake_fusion_attention_grad),
+    "npu_grouped_matmul": OpDef(grouped_matmul, _fake_grouped_matmul),
+    "npu_moe_gating_top_k_softmax": OpDef(gating_top_k_softmax, _fake_gating),
+    "npu_moe_compute_expert_tokens": OpDef(compute_expert_tokens, _fake_compute_expert_tokens),
+    "npu_moe_init_routing_v2": OpDef(init_routing_v2, _fake_init_routing_v2),
+    "npu_moe_finalize_routing": OpDef(finalize_routing, _fake_finalize_routing),
+    "npu_moe_token_permute": OpDef(token_permute, _fake_permute),
+    "npu_moe_token_permute_grad": OpDef(token_permute_grad, _fake_permute_grad),
+    "npu_moe_token_permute_grad_v2": OpDef(token_permute_grad_v2, _fake_permute_grad_v2),
+    "npu_moe_token_unpermute": OpDef(token_unpermute, _fake_unpermute),
+    "npu_moe_token_unpermute_grad": OpDef(token_unpermute_grad, _fake_unpermute_grad),
+    "npu_moe_token_unpermute_grad_v2": OpDef(token_unpermute_grad_v2, _fake_unpermute_grad_v2),
+}

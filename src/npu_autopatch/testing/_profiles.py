@@ -1,0 +1,305 @@
+"""Device profiles of the stand-in: one torch_npu release line on one chip, as read from its sources.
+
+A profile is what a torch_npu release gives a program on an Atlas A2 box: which ops exist with
+which schema (the op-plugin branch's ``op_plugin_functions.yaml``, or the wheel's registered
+schemas), which have a backward and through which op (``derivatives.yaml``), and the few rules
+that changed between release lines. The rules every line shares (the CANN kernels' shape
+checks) are in _ops.py; each rule names its source file there or here. Paths are in the public
+repositories Ascend/op-plugin (one branch per release line), Ascend/pytorch (torch_npu:
+``COMPATIBILITY.en.md`` pairs each release with its op-plugin branch and CANN) and
+hicann/ops-transformer (the CANN kernels and their host-side tiling).
+
+Chip: every profile is an Atlas A2 training device (Ascend 910B, the aclnn path of
+``RotaryMulKernelNpuOpApi.cpp``), taken with 48 vector cores: the block rule of the rotary
+kernel refuses more shapes the more cores there are, so this is the strictest A2 part. Atlas
+training series (910A), 310P and Ascend 950 are not modelled (README: unknowns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# torch_npu 2.14 (the wheel's registered schemas, torch_npu_ops.md WHEEL-SO), plus the MoE and
+# attention grad ops of op-plugin master (op_plugin_functions.yaml at 517f2e7d).
+_NEWEST_SCHEMAS = {
+    "npu_rms_norm": "npu_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
+    "npu_rms_norm_backward": (
+        "npu_rms_norm_backward(Tensor dy, Tensor input, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"
+    ),
+    "npu_gemma_rms_norm": (
+        "npu_gemma_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
+    ),
+    "npu_add_rms_norm": (
+        "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
+    "npu_swiglu": "npu_swiglu(Tensor input, int dim=-1) -> Tensor",
+    "npu_swiglu_backward": "npu_swiglu_backward(Tensor grad_output, Tensor input, int dim=-1) -> Tensor",
+    "npu_rotary_mul": (
+        "npu_rotary_mul(Tensor input, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) "
+        "-> Tensor"
+    ),
+    "npu_rotary_mul_backward": (
+        "npu_rotary_mul_backward(Tensor grad, Tensor input, Tensor r1, Tensor r2, str rotary_mode='half') "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
+    "npu_apply_rotary_pos_emb": (
+        "npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSND', "
+        "str rotary_mode='half') -> (Tensor, Tensor)"
+    ),
+    "npu_fusion_attention": (
+        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None, '
+        "Tensor? dropout_mask=None, int seed=0, int offset=0) "
+        "-> (Tensor, Tensor, Tensor, Tensor, int, int, int)"
+    ),
+    "npu_fusion_attention_grad": (
+        "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, "
+        "int next_tockens=2147483647, int inner_precise=0, int seed=0, int offset=0, int numels=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None) '
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_grouped_matmul": (
+        "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? scale=None, "
+        "Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? antiquant_offset=None, "
+        "Tensor[]? per_token_scale=None, Tensor? group_list=None, Tensor[]? activation_input=None, "
+        "Tensor[]? activation_quant_scale=None, Tensor[]? activation_quant_offset=None, int? split_item=0, "
+        "int? group_type=None, int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, "
+        "int? output_dtype=None, int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, "
+        "int? per_token_scale_dtype=None) -> Tensor[]"
+    ),
+    "npu_moe_gating_top_k_softmax": (
+        "npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)"
+    ),
+    "npu_moe_compute_expert_tokens": (
+        "npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) -> Tensor"
+    ),
+    "npu_moe_init_routing_v2": (
+        "npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
+        "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
+        "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, "
+        "int[2] active_expert_range=[], int row_idx_type=0, int? x_dtype=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_moe_finalize_routing": (
+        "npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
+        "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
+        "int? drop_pad_mode=0, int? k=1) -> Tensor"
+    ),
+    "npu_moe_token_permute": (
+        "npu_moe_token_permute(Tensor tokens, Tensor indices, int? num_out_tokens=None, "
+        "bool padded_mode=False) -> (Tensor, Tensor)"
+    ),
+    "npu_moe_token_permute_grad_v2": (
+        "npu_moe_token_permute_grad_v2(Tensor grad_permuted_tokens, Tensor sorted_indices, "
+        "int tokens_size_0, ScalarType tokens_dtype, int num_topK, bool padded_mode=False) -> Tensor"
+    ),
+    "npu_moe_token_unpermute": (
+        "npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None, "
+        "bool padded_mode=False, int[]? restore_shape=None) -> Tensor"
+    ),
+    "npu_moe_token_unpermute_grad_v2": (
+        "npu_moe_token_unpermute_grad_v2(Tensor grad_unpermuted_tokens, Tensor sorted_indices, "
+        "int permuted_tokens_size_0, ScalarType permuted_tokens_dtype, Tensor? probs=None, "
+        "bool padded_mode=False, int[]? restore_shape=None, Tensor? permuted_tokens=None) -> (Tensor, Tensor)"
+    ),
+}
+
+# op-plugin 7.2.0's op_plugin_functions.yaml, where it differs from the newest: no ``rotate`` for
+# npu_rotary_mul, ScalarType output_dtype for npu_grouped_matmul, the v1 backward ops of the
+# token permute/unpermute ops, quant_mode=0 as init_routing_v2's default (the pitfall of every
+# release up to 7.3.0), no k for finalize_routing, and fusion attention without sink/dropout_mask.
+_V72_SCHEMAS = {
+    **{name: schema for name, schema in _NEWEST_SCHEMAS.items() if not name.endswith("_grad_v2")},
+    "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
+    "npu_rms_norm_backward": (
+        "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"
+    ),
+    "npu_gemma_rms_norm": (
+        "npu_gemma_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
+    ),
+    "npu_swiglu": "npu_swiglu(Tensor self, int dim=-1) -> Tensor",
+    "npu_swiglu_backward": "npu_swiglu_backward(Tensor grad_output, Tensor self, int dim=-1) -> Tensor",
+    "npu_rotary_mul": "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor",
+    "npu_rotary_mul_backward": (
+        "npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
+    "npu_apply_rotary_pos_emb": (
+        "npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSH', "
+        "str rotary_mode='half') -> (Tensor, Tensor)"
+    ),
+    "npu_fusion_attention": (
+        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="") '
+        "-> (Tensor, Tensor, Tensor, Tensor, int, int, int)"
+    ),
+    "npu_fusion_attention_grad": (
+        "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, "
+        "int next_tockens=2147483647, int inner_precise=0, int seed=0, int offset=0, int numels=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="") '
+        "-> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_grouped_matmul": (
+        "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? scale=None, "
+        "Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? antiquant_offset=None, "
+        "Tensor[]? per_token_scale=None, Tensor? group_list=None, Tensor[]? activation_input=None, "
+        "Tensor[]? activation_quant_scale=None, Tensor[]? activation_quant_offset=None, int? split_item=0, "
+        "int? group_type=None, int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, "
+        "ScalarType? output_dtype=None) -> Tensor[]"
+    ),
+    "npu_moe_init_routing_v2": (
+        "npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
+        "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
+        "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=0, "
+        "int[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_moe_finalize_routing": (
+        "npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
+        "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
+        "int? drop_pad_mode=0) -> Tensor"
+    ),
+    "npu_moe_token_permute_grad": (
+        "npu_moe_token_permute_grad(Tensor tokens, Tensor grad_permuted_tokens, Tensor indices, "
+        "Tensor sorted_indices, bool padded_mode=False) -> Tensor"
+    ),
+    "npu_moe_token_unpermute_grad": (
+        "npu_moe_token_unpermute_grad(Tensor permuted_tokens, Tensor grad_unpermuted_tokens, "
+        "Tensor sorted_indices, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) "
+        "-> (Tensor, Tensor)"
+    ),
+}
+
+# op-plugin 7.1.0: the token permute/unpermute ops exist without any backward op, and
+# npu_apply_rotary_pos_emb has no rotary_mode; fusion attention has no softmax_layout.
+_V71_SCHEMAS = {
+    **{name: schema for name, schema in _V72_SCHEMAS.items() if not name.endswith("_grad")},
+    "npu_apply_rotary_pos_emb": (
+        "npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSH') "
+        "-> (Tensor, Tensor)"
+    ),
+    "npu_fusion_attention": (
+        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        "bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)"
+    ),
+    "npu_fusion_attention_grad": (
+        "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, "
+        "int next_tockens=2147483647, int inner_precise=0, int seed=0, int offset=0, int numels=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        "bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+}
+
+# How an op behaves under autograd (derivatives.yaml of the branch; torch_npu's
+# VariableFallbackKernel.cpp for ops without an entry):
+#   "<op name>": a real backward through that backward op;
+#   RAISES: op-plugin's AutogradErrorFallback.cpp (from 26.1.0): backward raises;
+#   None (absent from the mapping): the generic fallback, warn and give NO gradient.
+RAISES = "raises"
+
+_NEWEST_AUTOGRAD = {
+    "npu_rms_norm": "npu_rms_norm_backward",
+    "npu_swiglu": "npu_swiglu_backward",
+    "npu_rotary_mul": "npu_rotary_mul_backward",
+    "npu_fusion_attention": "npu_fusion_attention_grad",
+    "npu_moe_token_permute": "npu_moe_token_permute_grad_v2",
+    "npu_moe_token_unpermute": "npu_moe_token_unpermute_grad_v2",
+    "npu_add_rms_norm": RAISES,
+    "npu_apply_rotary_pos_emb": RAISES,
+    "npu_moe_gating_top_k_softmax": RAISES,
+}
+
+_V72_AUTOGRAD = {
+    "npu_rms_norm": "npu_rms_norm_backward",
+    "npu_swiglu": "npu_swiglu_backward",
+    "npu_rotary_mul": "npu_rotary_mul_backward",
+    "npu_fusion_attention": "npu_fusion_attention_grad",
+    "npu_moe_token_permute": "npu_moe_token_permute_grad",
+    "npu_moe_token_unpermute": "npu_moe_token_unpermute_grad",
+}
+
+_V71_AUTOGRAD = {name: grad for name, grad in _V72_AUTOGRAD.items() if not name.startswith("npu_moe_token")}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One torch_npu release line on an Atlas A2 device, as the stand-in models it."""
+
+    name: str  # also the torch.library namespace suffix of its ops
+    torch_npu: str  # what torch_npu.__version__ reports
+    op_plugin: str  # the op-plugin branch that release pins
+    cann: str  # the CANN release COMPATIBILITY.en.md pairs it with
+    schemas: dict[str, str] = field(repr=False)
+    autograd: dict[str, str] = field(repr=False)
+    # npu_grouped_matmul's accepted group_type values (GroupedMatmulKernelNpuOpApi.cpp of the branch).
+    gmm_group_types: frozenset[int] = frozenset({-1, 0, 2})
+    # Whether the K-split (group_type 2) writes zeros for a group with no rows. ops-transformer's
+    # grouped_matmul_vector.h EmptyTensorCompute does, since the repository's first import
+    # (2025-09, the CANN 8.5 line); for older CANN it is unverified, so the stand-in leaves
+    # such blocks as uninitialised memory (NaN), the worst case.
+    gmm_zero_fills_empty_groups: bool = True
+
+    @property
+    def namespace(self) -> str:
+        return "npu_standin_" + self.name.replace("-", "_").replace(".", "_")
+
+    def describe(self) -> str:
+        return f"torch_npu {self.torch_npu} (op-plugin {self.op_plugin}, CANN {self.cann}) on Atlas A2"
+
+
+NEWEST = Profile(
+    name="a2-newest",
+    torch_npu="2.14.0",
+    # Ascend/pytorch master (2.13.0, 2.14.0, 2.15.0 in version.txt) pins op-plugin master
+    # (6b46b284, 2026-08); the 2.14.0 wheel registers master's schemas (torch_npu_ops.md).
+    op_plugin="master (after 26.1.0)",
+    # COMPATIBILITY.en.md does not list 2.14.0 yet; 2.11.0 and 2.12.0 pair with CANN 9.1.0.
+    cann="9.1.0",
+    schemas=_NEWEST_SCHEMAS,
+    autograd=_NEWEST_AUTOGRAD,
+)
+
+V2_7_1 = Profile(
+    name="a2-2.7.1",
+    torch_npu="2.7.1",
+    op_plugin="7.2.0",  # COMPATIBILITY.en.md: 2.7.1 -> v2.7.1-7.2.0, CANN 8.3.RC1
+    cann="8.3.RC1",
+    schemas=_V72_SCHEMAS,
+    autograd=_V72_AUTOGRAD,
+    gmm_zero_fills_empty_groups=False,
+)
+
+V2_6_0 = Profile(
+    name="a2-2.6.0",
+    torch_npu="2.6.0",
+    op_plugin="7.1.0",  # COMPATIBILITY.en.md: 2.6.0 -> v2.6.0-7.1.0, CANN 8.2.RC1
+    cann="8.2.RC1",
+    schemas=_V71_SCHEMAS,
+    autograd=_V71_AUTOGRAD,
+    # 7.1.0 GroupedMatmulKernelNpuOpApi.cpp: "group_type currently only support -1 and 0".
+    gmm_group_types=frozenset({-1, 0}),
+    gmm_zero_fills_empty_groups=False,
+)
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (NEWEST, V2_7_1, V2_6_0)}
+DEFAULT = NEWEST

@@ -47,6 +47,7 @@ import torch
 
 from .._types import Kernel, Variant
 from ._probe import agree_strict, first_disagreement, generator, parameters, randn, signature_reason
+from ._requirements import rotary_mode_requirement
 
 _SIGNATURE_4X = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
 _SIGNATURE_5X = ("q", "k", "cos", "sin", "unsqueeze_dim")
@@ -405,7 +406,7 @@ ROPE = Kernel(
     (
         Variant("half", _build_half, _probe_half),
         Variant("partial", _build_partial, _probe_partial),
-        Variant("interleave", _build_interleave, _probe_partial),
+        Variant("interleave", _build_interleave, _probe_partial, requires=rotary_mode_requirement),
         Variant("deinterleave", _build_deinterleave, _probe_deinterleave),
         Variant("mrope", _build_mrope, _probe_mrope),
         Variant("vision", _build_vision, _probe_vision),

@@ -1,0 +1,131 @@
+"""What a kernel needs from the installed torch_npu, decided from its version without running an op.
+
+torch_npu's ops come from Ascend/op-plugin, one branch per release line; a torch_npu release
+builds on one of them. Ascend/pytorch's COMPATIBILITY.en.md ("TorchNPU version mapping table")
+gives the branch of each release; ``_OP_PLUGIN_LINES`` is that table, per PyTorch line (the post
+release from which a branch is used; the releases between two listed ones take the older branch,
+as their release branches' version.txt histories show). What each branch provides is read from
+its sources and cited where it is used. Running an op to find out is not an option: it would open
+a device context on device 0 in every rank at import.
+
+When the version cannot be read, the dispatcher is asked what torch_npu registered (an autograd
+kernel for an op, an argument in a schema), which is what the version stands for.
+"""
+
+import re
+
+# COMPATIBILITY.en.md: PyTorch line -> ((first torch_npu post release, op-plugin branch), ...).
+# Branches as (major, minor); the 6.0.rc* and 5.0.* lines count as 6.0 and 5.0.
+_OP_PLUGIN_LINES = {
+    (2, 0, 1): ((0, (5, 0)),),
+    (2, 1, 0): ((0, (5, 0)), (4, (6, 0)), (12, (7, 0)), (13, (7, 1)), (17, (7, 2))),
+    (2, 2, 0): ((0, (6, 0)),),
+    (2, 3, 1): ((0, (6, 0)), (6, (7, 0))),
+    (2, 4, 0): ((0, (6, 0)), (4, (7, 0))),
+    (2, 5, 1): ((0, (7, 0)), (1, (7, 1))),
+    (2, 6, 0): ((0, (7, 1)), (3, (7, 2)), (5, (7, 3))),
+    (2, 7, 1): ((0, (7, 2)), (2, (7, 3)), (4, (26, 0)), (8, (26, 1))),
+    (2, 8, 0): ((0, (7, 2)), (2, (7, 3)), (4, (26, 0))),
+    (2, 9, 0): ((0, (7, 3)), (2, (26, 0)), (6, (26, 1))),
+    (2, 10, 0): ((0, (26, 0)), (4, (26, 1))),
+    (2, 11, 0): ((0, (26, 1)),),
+    (2, 12, 0): ((0, (26, 1)),),
+}
+# A PyTorch line newer than the table: the newest branch, or later (Ascend/pytorch master, which
+# builds 2.13.0 to 2.15.0, pins op-plugin master).
+_NEWEST = (26, 1)
+_VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?")
+
+
+def op_plugin_line(version):
+    """The op-plugin branch (major, minor) a torch_npu version builds on, or None if unreadable."""
+    found = _VERSION.match(str(version or ""))
+    if found is None:
+        return None
+    major, minor, patch, post = found.groups()
+    base, post = (int(major), int(minor), int(patch)), int(post or 0)
+    if base > max(_OP_PLUGIN_LINES):
+        return _NEWEST
+    known = [b for b in _OP_PLUGIN_LINES if b <= base]
+    if not known:
+        return (5, 0)  # older than every listed release: before op-plugin 6.0
+    if max(known) != base:
+        return _OP_PLUGIN_LINES[max(known)][-1][1]  # an unlisted line: no newer than its predecessor
+    return [line for first, line in _OP_PLUGIN_LINES[base] if first <= post][-1]
+
+
+def _name(line):
+    return f"{line[0]}.{line[1]}.0"
+
+
+def _schema(npu, op):
+    """The registered schema of ``op`` (torch_npu exposes torch.ops.npu packets), or None."""
+    packet = getattr(npu, op, None)
+    try:
+        return packet.default._schema
+    except AttributeError:
+        return None
+
+
+def _has_autograd(npu, op):
+    """Whether the dispatcher has an autograd kernel (not the fallback) for ``op``: how torch_npu
+    registers a backward (Ascend/pytorch codegen/autograd/templates/VariableType.cpp:
+    TORCH_LIBRARY_IMPL(npu, AutogradPrivateUse1, m))."""
+    import torch
+
+    schema = _schema(npu, op)
+    name = schema.name if schema is not None else f"npu::{op}"
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    try:
+        return has_kernel(name, "AutogradPrivateUse1") or has_kernel(name, "Autograd")
+    except RuntimeError:  # no such operator
+        return False
+
+
+def moe_requirement(npu):
+    """None if the MoE kernel can train on this torch_npu, else why not and what is needed.
+
+    op-plugin 7.2.0 brought both halves of its backward: derivatives.yaml entries for
+    npu_moe_token_permute/unpermute (7.1.0 has the ops with no autograd: torch_npu's fallback
+    warns and gives no gradient) and group_type=2 in npu_grouped_matmul (7.1.0's
+    GroupedMatmulKernelNpuOpApi.cpp: "group_type currently only support -1 and 0").
+    """
+    version = getattr(npu, "__version__", None)
+    line = op_plugin_line(version)
+    if line is None:
+        if _has_autograd(npu, "npu_moe_token_permute"):
+            return None
+        have = f"torch_npu {version!r} (version unreadable; its npu_moe_token_permute has no autograd kernel)"
+    elif line >= (7, 2):
+        return None
+    else:
+        have = f"torch_npu {version} has op-plugin {_name(line)}"
+    return (
+        "npu_moe_token_permute/unpermute have no backward and npu_grouped_matmul refuses group_type=2 "
+        f"before op-plugin 7.2.0 ({have}): the experts, the router and the MoE input would get no "
+        "gradient; needs torch_npu >= 2.7.1 (on older PyTorch lines: 2.6.0.post3, 2.1.0.post17)"
+    )
+
+
+def rotary_mode_requirement(npu):
+    """None if npu_rotary_mul takes ``rotary_mode`` (the interleave variant needs it), else why not.
+
+    The argument arrived in op-plugin 7.0.0 (op_plugin_functions.yaml: 6.0.0 has
+    ``npu_rotary_mul(Tensor self, Tensor r1, Tensor r2)``).
+    """
+    version = getattr(npu, "__version__", None)
+    line = op_plugin_line(version)
+    if line is None:
+        schema = _schema(npu, "npu_rotary_mul")
+        if schema is not None and any(argument.name == "rotary_mode" for argument in schema.arguments):
+            return None
+        have = f"torch_npu {version!r} (version unreadable; no rotary_mode in its schema)"
+    elif line >= (7, 0):
+        return None
+    else:
+        have = f"torch_npu {version} has op-plugin {_name(line)}"
+    return (
+        f"npu_rotary_mul has no rotary_mode before op-plugin 7.0.0 ({have}): the interleaved rotary "
+        "(GLM-4) needs its 'interleave' mode; needs torch_npu >= 2.5.1 (on older PyTorch lines: "
+        "2.4.0.post4, 2.3.1.post6, 2.1.0.post12)"
+    )

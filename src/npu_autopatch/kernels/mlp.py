@@ -9,7 +9,8 @@ npu_swiglu(x) = silu(first half of x) * second half, fp32 inside. Two layouts of
   to npu_swiglu as it is, with no concatenation.
 
 The activation is chosen per instance by the config, so an instance whose activation is not
-SiLU runs the stock code.
+SiLU runs the stock code; so does an empty input, which npu_swiglu refuses (op-plugin docs,
+torch_npu-npu_swiglu.md), e.g. a rank whose micro-batch has no tokens.
 """
 
 import torch
@@ -44,9 +45,15 @@ def _build_separate(stock, npu, on_error):
     cat = torch.cat
 
     def forward(self, x):
-        if type(self.act_fn) not in silu_types:
+        if type(self.act_fn) not in silu_types or not x.numel():
             return stock(self, x)
-        return self.down_proj(npu.npu_swiglu(cat((self.gate_proj(x), self.up_proj(x)), dim=-1), dim=-1))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        try:
+            hidden = npu.npu_swiglu(cat((gate, up), dim=-1), dim=-1)
+        except Exception as exc:
+            on_error(exc, x)
+            return stock(self, x)
+        return self.down_proj(hidden)
 
     return _with_stock_names(forward, stock)
 
@@ -68,9 +75,15 @@ def _build_fused(stock, npu, on_error):
     silu_types = _silu_types()
 
     def forward(self, hidden_states):
-        if type(self.activation_fn) not in silu_types:
+        if type(self.activation_fn) not in silu_types or not hidden_states.numel():
             return stock(self, hidden_states)
-        return self.down_proj(npu.npu_swiglu(self.gate_up_proj(hidden_states), dim=-1))
+        gate_up = self.gate_up_proj(hidden_states)
+        try:
+            hidden = npu.npu_swiglu(gate_up, dim=-1)
+        except Exception as exc:
+            on_error(exc, hidden_states)
+            return stock(self, hidden_states)
+        return self.down_proj(hidden)
 
     return _with_stock_names(forward, stock)
 

@@ -11,15 +11,30 @@ The activation comes from the config, so every variant runs the stock code for a
 whose experts' ``act_fn`` is not SiLU.
 
 ``npu_grouped_matmul`` has no autograd at all (its gradients silently vanish), so it runs
-inside ``_GroupedMatmul``, whose backward is grouped matmuls too: dx = dy @ W[e]^T (group
-type 0) and dW[e] = x[rows of e]^T @ dy[rows of e] (group type 2, which splits the
-contraction axis and gives one [K, N] block per expert, a zero block for an expert with
-no rows). Its weight is gmm's [E, K, N]; the HF [E, N, K] layouts are passed as
-transposed views, which the op takes without a copy.
+inside an autograd Function (``_grouped_matmul``) whose backward is grouped matmuls too:
+dx = dy @ W[e]^T (group type 0) and dW[e] = x[rows of e]^T @ dy[rows of e] (group type 2,
+which splits the contraction axis and gives one [K, N] block per expert). An expert with no
+rows gets a zero block from us, not from the kernel: current CANN writes zeros there
+(ops-transformer grouped_matmul_vector.h, EmptyTensorCompute), older CANN is unverified, and
+an all-empty x skips the kernel and leaves its output uninitialised (aclnn_grouped_matmul.cpp
+CheckZeroShape). Its weight is gmm's [E, K, N]; the HF [E, N, K] layouts are passed as
+transposed views, which the op takes without a copy (M-split: x must not be transposed;
+K-split: x must be, the weight must not be; aclnn_grouped_matmul.cpp).
 
-The weighted sum runs in the promoted dtype of the expert output and the routing weights,
-then is cast to the input dtype, as stock does (DeepSeek-V3/GLM-4-MoE route in fp32); the
-tokens are cast to that dtype before unpermute, which wants probs and tokens in one dtype.
+npu_moe_token_unpermute takes every (tokens, probs) dtype pair and returns the tokens' dtype
+(moe_token_unpermute_def.cpp), so the expert output goes in as it is, in the input dtype, and
+the routing weights in theirs (fp32 for DeepSeek-V3/GLM-4-MoE): no upcast copy of the
+[T*K, H] rows; the weighted sum is the kernel's.
+
+A call with no tokens at all (a rank whose micro-batch is empty) runs the stock code: the
+ops would get empty inputs, which npu_swiglu refuses and the grouped matmul skips. So does a
+4.x call that reaches a single expert: a group list of counts must not have length 1
+(op-plugin docs, torch_npu-npu_grouped_matmul.md). When an op still raises in the forward, the
+replacement reports it through ``on_error`` and returns the stock result.
+
+The kernel needs what op-plugin 7.2.0 brought: a backward for npu_moe_token_permute/unpermute
+(derivatives.yaml) and group_type=2 in npu_grouped_matmul (GroupedMatmulKernelNpuOpApi.cpp);
+``MOE.requires`` says so for older torch_npu (_requirements.py).
 
 Variants (the probe picks the one whose stock math it reproduces):
 
@@ -73,39 +88,48 @@ from ._probe import (
     randn,
     signature_reason,
 )
+from ._requirements import moe_requirement
 from .mlp import _silu_types
 
 
-class _GroupedMatmul(torch.autograd.Function):
-    """rows of expert e of ``x`` @ ``weight[e]`` ([E, K, N]); ``counts`` int64 [E] rows per expert."""
+def _grouped_matmul(npu):
+    """fn(x, weight [E, K, N], counts int64 [E]): the rows of expert e of x @ weight[e], with a backward.
 
-    @staticmethod
-    def forward(ctx, npu, x, weight, counts):
-        ctx.npu = npu
-        ctx.save_for_backward(x, weight, counts)
-        return npu.npu_grouped_matmul(
-            [x], [weight], group_list=counts, group_type=0, split_item=3, group_list_type=1
-        )[0]
+    One autograd Function per torch_npu module, closing over it, so that torch.compile traces it
+    with nothing but tensors in its arguments.
+    """
 
-    @staticmethod
-    def backward(ctx, dy):
-        npu = ctx.npu
-        x, weight, counts = ctx.saved_tensors
-        dx = dweight = None
-        if ctx.needs_input_grad[1]:
-            dx = npu.npu_grouped_matmul(
-                [dy],
-                [weight.transpose(1, 2)],
-                group_list=counts,
-                group_type=0,
-                split_item=3,
-                group_list_type=1,
+    class GroupedMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, counts):
+            ctx.save_for_backward(x, weight, counts)
+            return npu.npu_grouped_matmul(
+                [x], [weight], group_list=counts, group_type=0, split_item=3, group_list_type=1
             )[0]
-        if ctx.needs_input_grad[2]:
-            dweight = npu.npu_grouped_matmul(
-                [x.t()], [dy], group_list=counts, group_type=2, split_item=3, group_list_type=1
-            )[0]
-        return None, dx, dweight, None
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, weight, counts = ctx.saved_tensors
+            dy = dy.contiguous()  # a transposed dy would count as a transposed x or weight
+            dx = dweight = None
+            if ctx.needs_input_grad[0]:
+                dx = npu.npu_grouped_matmul(
+                    [dy],
+                    [weight.transpose(1, 2)],
+                    group_list=counts,
+                    group_type=0,
+                    split_item=3,
+                    group_list_type=1,
+                )[0]
+            if ctx.needs_input_grad[1]:
+                dweight = npu.npu_grouped_matmul(
+                    [x.t()], [dy], group_list=counts, group_type=2, split_item=3, group_list_type=1
+                )[0]
+                # The block of an expert without rows is ours to zero, not the kernel's to fill.
+                dweight.masked_fill_((counts == 0)[:, None, None], 0)
+            return dx, dweight, None
+
+    return GroupedMatmul.apply
 
 
 def _counts(top_k_index, num_experts):
@@ -116,28 +140,30 @@ def _counts(top_k_index, num_experts):
 def _routed_experts(npu):
     """fn(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up [E, H, 2I],
     down [E, I, H], counts [E]) -> [T, H] in the input dtype: each token's weighted experts."""
-    grouped_matmul = _GroupedMatmul.apply
-    promote = torch.promote_types
+    grouped_matmul = _grouped_matmul(npu)
 
     def routed_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, counts):
         permuted, sorted_indices = npu.npu_moe_token_permute(hidden_states, top_k_index)
-        up = npu.npu_swiglu(grouped_matmul(npu, permuted, gate_up, counts), dim=-1)
-        out = grouped_matmul(npu, up, down, counts)
-        dtype = promote(out.dtype, top_k_weights.dtype)
-        combined = npu.npu_moe_token_unpermute(out.to(dtype), sorted_indices, top_k_weights.to(dtype))
-        return combined.to(hidden_states.dtype)
+        up = npu.npu_swiglu(grouped_matmul(permuted, gate_up, counts), dim=-1)
+        out = grouped_matmul(up, down, counts)
+        return npu.npu_moe_token_unpermute(out, sorted_indices, top_k_weights)
 
     return routed_experts
 
 
-def _stacked(experts, top_k_index):
-    """The experts of a ModuleList that have rows, as gmm weights [E', H, 2I], [E', I, H] and counts.
+def _hit(experts, top_k_index):
+    """(the experts of a ModuleList that have rows, the rows of every expert): one host sync, as
+    the stock loop pays to find them."""
+    counts = _counts(top_k_index, len(experts))
+    return counts.nonzero().flatten().tolist(), counts
+
+
+def _stacked(experts, hit, counts):
+    """The ``hit`` experts of a ModuleList as gmm weights [E', H, 2I], [E', I, H], and their counts.
 
     Only those: as in the stock loop, an expert without rows gets no gradient (None, which
-    optimizers skip, not zeros). Knowing which costs one host sync, as the stock loop does.
+    optimizers skip, not zeros).
     """
-    counts = _counts(top_k_index, len(experts))
-    hit = counts.nonzero().flatten().tolist()
     gate_up = torch.stack([w for i in hit for w in (experts[i].gate_proj.weight, experts[i].up_proj.weight)])
     down = torch.stack([experts[i].down_proj.weight for i in hit])
     pairs, intermediate, hidden = gate_up.shape
@@ -161,16 +187,22 @@ def _build_experts(stock, npu, on_error):
             or getattr(self, "has_bias", False)
             or getattr(self, "has_post_expert_norm", False)
             or getattr(self, "_is_expert_parallel", False)
+            or not hidden_states.shape[0]
         ):
             return stock(self, hidden_states, top_k_index, top_k_weights)
-        return routed_experts(
-            hidden_states,
-            top_k_index,
-            top_k_weights,
-            self.gate_up_proj.transpose(1, 2),
-            self.down_proj.transpose(1, 2),
-            _counts(top_k_index, self.gate_up_proj.shape[0]),
-        )
+        gate_up, down = self.gate_up_proj, self.down_proj
+        try:
+            return routed_experts(
+                hidden_states,
+                top_k_index,
+                top_k_weights,
+                gate_up.transpose(1, 2),
+                down.transpose(1, 2),
+                _counts(top_k_index, gate_up.shape[0]),
+            )
+        except Exception as exc:
+            on_error(exc, hidden_states, top_k_index, top_k_weights)
+            return stock(self, hidden_states, top_k_index, top_k_weights)
 
     return forward
 
@@ -180,16 +212,19 @@ def _build_experts_kn(stock, npu, on_error):
     routed_experts = _routed_experts(npu)
 
     def forward(self, hidden_states, routing_weights, router_indices):
-        if type(self.act_fn) not in silu_types:
+        if type(self.act_fn) not in silu_types or not hidden_states.numel():
             return stock(self, hidden_states, routing_weights, router_indices)
-        batch_size = hidden_states.shape[0]
-        hidden_states = hidden_states.reshape(-1, self.hidden_size)
+        batch_size, hidden_size = hidden_states.shape[0], self.hidden_size
+        tokens = hidden_states.reshape(-1, hidden_size)
         top_k_weights = routing_weights.gather(1, router_indices)
-        counts = _counts(router_indices, self.gate_up_proj.shape[0])
-        out = routed_experts(
-            hidden_states, router_indices, top_k_weights, self.gate_up_proj, self.down_proj, counts
-        )
-        return out.view(batch_size, -1, self.hidden_size)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        try:
+            counts = _counts(router_indices, gate_up.shape[0])
+            out = routed_experts(tokens, router_indices, top_k_weights, gate_up, down, counts)
+        except Exception as exc:
+            on_error(exc, hidden_states, routing_weights, router_indices)
+            return stock(self, hidden_states, routing_weights, router_indices)
+        return out.view(batch_size, -1, hidden_size)
 
     return forward
 
@@ -202,22 +237,29 @@ def _build_sparse_block(shared):
 
         def forward(self, hidden_states):
             experts = self.experts
-            if type(experts[0].act_fn) not in silu_types:
+            if type(experts[0].act_fn) not in silu_types or not hidden_states.numel():
                 return stock(self, hidden_states)
             batch_size, sequence_length, hidden_dim = hidden_states.shape
-            hidden_states = hidden_states.view(-1, hidden_dim)
-            router_logits = self.gate(hidden_states)
+            tokens = hidden_states.view(-1, hidden_dim)
+            router_logits = self.gate(tokens)
             routing_weights = softmax(router_logits, dim=1, dtype=float32)
             routing_weights, selected_experts = topk(routing_weights, self.top_k, dim=-1)
             if self.norm_topk_prob:
                 routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
-            routing_weights = routing_weights.to(hidden_states.dtype)
-            out = routed_experts(
-                hidden_states, selected_experts, routing_weights, *_stacked(experts, selected_experts)
-            )
+            routing_weights = routing_weights.to(tokens.dtype)
+            hit, counts = _hit(experts, selected_experts)
+            if len(hit) < 2:  # a group list of counts must not have length 1
+                return stock(self, hidden_states)
+            try:
+                out = routed_experts(
+                    tokens, selected_experts, routing_weights, *_stacked(experts, hit, counts)
+                )
+            except Exception as exc:
+                on_error(exc, hidden_states)
+                return stock(self, hidden_states)
             if shared:
-                gate = sigmoid(self.shared_expert_gate(hidden_states))
-                out = out + gate * self.shared_expert(hidden_states)
+                gate = sigmoid(self.shared_expert_gate(tokens))
+                out = out + gate * self.shared_expert(tokens)
             return out.view(batch_size, sequence_length, hidden_dim), router_logits
 
         return forward
@@ -231,9 +273,16 @@ def _build_moe_method(stock, npu, on_error):
 
     def moe(self, hidden_states, topk_indices, topk_weights):
         experts = self.experts
-        if type(experts[0].act_fn) not in silu_types:
+        if type(experts[0].act_fn) not in silu_types or not hidden_states.shape[0]:
             return stock(self, hidden_states, topk_indices, topk_weights)
-        return routed_experts(hidden_states, topk_indices, topk_weights, *_stacked(experts, topk_indices))
+        hit, counts = _hit(experts, topk_indices)
+        if len(hit) < 2:  # a group list of counts must not have length 1
+            return stock(self, hidden_states, topk_indices, topk_weights)
+        try:
+            return routed_experts(hidden_states, topk_indices, topk_weights, *_stacked(experts, hit, counts))
+        except Exception as exc:
+            on_error(exc, hidden_states, topk_indices, topk_weights)
+            return stock(self, hidden_states, topk_indices, topk_weights)
 
     return moe
 
@@ -376,4 +425,5 @@ MOE = Kernel(
         Variant("sparse-block-shared", _build_sparse_block(shared=True), _probe_sparse_block(shared=True)),
         Variant("moe-method", _build_moe_method, _probe_moe_method),
     ),
+    requires=moe_requirement,
 )

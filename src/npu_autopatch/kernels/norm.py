@@ -25,15 +25,19 @@ def _build_llama(stock, npu, on_error):
     float32 = torch.float32
 
     def forward(self, hidden_states):
-        weight = self.weight
-        if weight.dtype == hidden_states.dtype:
-            return npu.npu_rms_norm(hidden_states, weight, epsilon=self.variance_epsilon)[0]
-        if weight.dtype == float32:
-            # Mixed precision (bf16/fp16 activations, fp32 weight) is a supported pair; stock
-            # promotes the product to fp32, so we return fp32 too.
-            return npu.npu_rms_norm(hidden_states, weight, epsilon=self.variance_epsilon)[0].to(float32)
-        dtype = torch.promote_types(hidden_states.dtype, weight.dtype)
-        return npu.npu_rms_norm(hidden_states.to(dtype), weight.to(dtype), epsilon=self.variance_epsilon)[0]
+        weight, eps = self.weight, self.variance_epsilon
+        try:
+            if weight.dtype == hidden_states.dtype:
+                return npu.npu_rms_norm(hidden_states, weight, epsilon=eps)[0]
+            if weight.dtype == float32:
+                # Mixed precision (bf16/fp16 activations, fp32 weight) is a supported pair; stock
+                # promotes the product to fp32, so we return fp32 too.
+                return npu.npu_rms_norm(hidden_states, weight, epsilon=eps)[0].to(float32)
+            dtype = torch.promote_types(hidden_states.dtype, weight.dtype)
+            return npu.npu_rms_norm(hidden_states.to(dtype), weight.to(dtype), epsilon=eps)[0]
+        except Exception as exc:
+            on_error(exc, hidden_states, weight)
+            return stock(self, hidden_states)
 
     return forward
 
@@ -49,7 +53,12 @@ def _build_zero_centred(stock, npu, on_error):
     def forward(self, x):
         # gamma is fp32 whatever the weight dtype: (x dtype, fp32) is a supported pair for every
         # float x, and the product is rounded once, after the multiply, as stock does.
-        return npu.npu_rms_norm(x, 1.0 + self.weight.float(), epsilon=self.eps)[0]
+        weight, eps = self.weight, self.eps
+        try:
+            return npu.npu_rms_norm(x, 1.0 + weight.float(), epsilon=eps)[0]
+        except Exception as exc:
+            on_error(exc, x, weight)
+            return stock(self, x)
 
     return forward
 
@@ -83,11 +92,16 @@ def _build_gated(stock, npu, on_error):
         if getattr(self, "activation", "silu") != "silu":
             return stock(self, hidden_states, gate)
         input_dtype = hidden_states.dtype
-        weight = self.weight
-        if weight.dtype != input_dtype and weight.dtype != float32:  # not a supported dtype pair
-            dtype = promote(input_dtype, weight.dtype)
-            hidden_states, weight = hidden_states.to(dtype), weight.to(dtype)
-        normed = npu.npu_rms_norm(hidden_states, weight, epsilon=self.variance_epsilon)[0]
+        weight, eps = self.weight, self.variance_epsilon
+        try:
+            x, gamma = hidden_states, weight
+            if gamma.dtype != input_dtype and gamma.dtype != float32:  # not a supported dtype pair
+                dtype = promote(input_dtype, gamma.dtype)
+                x, gamma = x.to(dtype), gamma.to(dtype)
+            normed = npu.npu_rms_norm(x, gamma, epsilon=eps)[0]
+        except Exception as exc:
+            on_error(exc, hidden_states, weight)
+            return stock(self, hidden_states, gate)
         return (normed * silu(gate.to(float32))).to(input_dtype)
 
     forward.__defaults__ = getattr(stock, "__defaults__", None)  # 4.57 has gate=None, 5.x requires it

@@ -66,9 +66,12 @@ class Registration:
         def kernel(*args: Any, **kwargs: Any) -> Any:
             for module in list(modules):
                 module.calls[name] += 1
-            # The device computes below autograd: whatever happens here records no graph.
+            # The device computes below autograd: whatever happens here records no graph. Its outputs
+            # are fresh contiguous allocations, as the fake kernels say (the in-place
+            # npu_apply_rotary_pos_emb returns its inputs themselves).
             with torch.no_grad():
-                return impl(profile, *values_of(args, kwargs))
+                result = impl(profile, *values_of(args, kwargs))
+            return result if name == "npu_apply_rotary_pos_emb" else _contiguous(result)
 
         return kernel
 
@@ -102,6 +105,14 @@ def _binder(arguments: list) -> Callable[[tuple, dict], list]:
         return values
 
     return values_of
+
+
+def _contiguous(result: Any) -> Any:
+    if isinstance(result, torch.Tensor):
+        return result.contiguous()
+    if isinstance(result, (tuple, list)):
+        return type(result)(_contiguous(r) for r in result)
+    return result
 
 
 def registration(profile: Profile) -> Registration:

@@ -1624,7 +1624,8 @@ def finalize_routing(
 
 # ----------------------------------------------------------------------------------------------------
 # Fake (meta) kernels: output shapes and dtypes only, so that torch.compile and torch.export see the ops
-# as opaque, as they see torch_npu's (op_plugin/meta/_meta_registrations.py).
+# as opaque, as they see torch_npu's (op_plugin/meta/_meta_registrations.py). Outputs are contiguous, as
+# the device allocates them.
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -1632,22 +1633,28 @@ def _empty(shape: Sequence[int], dtype: torch.dtype, like: Tensor) -> Tensor:
     return like.new_empty(tuple(shape), dtype=dtype)
 
 
+def _like(t: Tensor) -> Tensor:
+    """A contiguous tensor of t's shape and dtype: the device's outputs are fresh, contiguous
+    allocations whatever the input's strides (and the CPU kernels return the same; _library.py)."""
+    return t.new_empty(t.shape)
+
+
 def _fake_rms_norm(profile: Profile, input: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple:
     lead = input.shape[: input.dim() - gamma.dim()]
-    return torch.empty_like(input), _empty((*lead, *([1] * gamma.dim())), torch.float32, input)
+    return _like(input), _empty((*lead, *([1] * gamma.dim())), torch.float32, input)
 
 
 def _fake_rms_norm_backward(
     profile: Profile, dy: Tensor, input: Tensor, gamma: Tensor, rstd: Tensor
 ) -> tuple:
-    return torch.empty_like(input), _empty(gamma.shape, torch.float32, gamma)
+    return _like(input), _empty(gamma.shape, torch.float32, gamma)
 
 
 def _fake_add_rms_norm(
     profile: Profile, x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float = 1e-06
 ) -> tuple:
     y, rstd = _fake_rms_norm(profile, x1, gamma)
-    return y, rstd, torch.empty_like(x1)
+    return y, rstd, _like(x1)
 
 
 def _fake_swiglu(profile: Profile, input: Tensor, dim: int = -1) -> Tensor:
@@ -1657,21 +1664,21 @@ def _fake_swiglu(profile: Profile, input: Tensor, dim: int = -1) -> Tensor:
 
 
 def _fake_swiglu_backward(profile: Profile, grad_output: Tensor, input: Tensor, dim: int = -1) -> Tensor:
-    return torch.empty_like(input)
+    return _like(input)
 
 
 def _fake_rotary_mul(profile: Profile, input: Tensor, r1: Tensor, r2: Tensor, *args: Any) -> Tensor:
-    return torch.empty_like(input)
+    return _like(input)
 
 
 def _fake_rotary_mul_backward(
     profile: Profile, grad: Tensor, input: Tensor, r1: Tensor, r2: Tensor, *args
 ) -> tuple:
-    return torch.empty_like(input), _empty(r1.shape, input.dtype, input), _empty(r2.shape, input.dtype, input)
+    return _like(input), _empty(r1.shape, input.dtype, input), _empty(r2.shape, input.dtype, input)
 
 
 def _fake_apply_rotary_pos_emb(profile: Profile, query: Tensor, key: Tensor, *args: Any) -> tuple:
-    return torch.empty_like(query), torch.empty_like(key)
+    return _like(query), _like(key)
 
 
 def _fake_fusion_attention(
@@ -1738,10 +1745,10 @@ def _fake_fusion_attention_grad(
 ) -> tuple:
     pse = args[0] if args else None
     grads = (
-        torch.empty_like(query),
-        torch.empty_like(key),
-        torch.empty_like(value),
-        None if pse is None else torch.empty_like(pse),
+        _like(query),
+        _like(key),
+        _like(value),
+        None if pse is None else _like(pse),
     )
     return grads if "sink" not in profile.schemas["npu_fusion_attention_grad"] else (*grads, None)
 
@@ -1874,7 +1881,7 @@ def _fake_permute_grad_v2(
 
 
 def _fake_permute_grad(profile: Profile, tokens: Tensor, *args: Any) -> Tensor:
-    return torch.empty_like(tokens)
+    return _like(tokens)
 
 
 def _fake_unpermute(
@@ -1895,7 +1902,7 @@ def _fake_unpermute_grad_v2(
     probs: Tensor | None = None,
     *args,
 ) -> tuple:
-    dprobs = torch.empty_like(probs) if probs is not None else _empty((0,), dtype, grad)
+    dprobs = _like(probs) if probs is not None else _empty((0,), dtype, grad)
     return _empty((size_0, grad.shape[1]), dtype, grad), dprobs
 
 
@@ -1907,8 +1914,8 @@ def _fake_unpermute_grad(
     probs: Tensor | None = None,
     *args,
 ) -> tuple:
-    dprobs = torch.empty_like(probs) if probs is not None else _empty((0,), permuted_tokens.dtype, grad)
-    return torch.empty_like(permuted_tokens), dprobs
+    dprobs = _like(probs) if probs is not None else _empty((0,), permuted_tokens.dtype, grad)
+    return _like(permuted_tokens), dprobs
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,39 @@
+"""Every patched rotary function on the shapes training feeds it, forward and backward, on every profile.
+
+No call raises, outputs and the gradients of q and k equal stock's, and the fused op runs wherever the
+kernel can take the shape (stock runs where it cannot). See npu_autopatch.testing.rope_sweep for the cases;
+``verify`` runs the same sweep on a real NPU.
+"""
+
+import importlib
+
+import pytest
+
+from npu_autopatch.testing import PROFILES, make_torch_npu
+from npu_autopatch.testing.rope_sweep import sweep
+
+
+def has_mrope():
+    """Whether Qwen2.5-VL still has its own multimodal rotary function (up to transformers 5.16)."""
+    try:
+        module = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+    except ImportError:
+        return False
+    return hasattr(module, "apply_multimodal_rotary_pos_emb")
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_rotary_function_takes_every_shape_on_every_profile(profile):
+    cases = sweep(make_torch_npu(profile=profile))
+    failed = [
+        f"{c.function} [{c.variant}] {c.shape} {c.dtype}: fused calls {c.fused_calls}, {c.error}"
+        for c in cases
+        if not c.passed
+    ]
+    assert failed == []
+    variants = {c.variant for c in cases}
+    assert {"half", "partial", "interleave", "deinterleave", "vision"} <= variants
+    assert ("mrope" in variants) == has_mrope()
+    assert {c.dtype for c in cases} == {"float32", "bfloat16"}
+    assert any(c.shape.startswith("B >= S") for c in cases) and any("stock" in c.shape for c in cases)
+    assert sum(c.fused_calls for c in cases) > 0

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from npu_autopatch.testing import PROFILES, stand_in
 from npu_autopatch.testing.parity import check_parity
 
 from .conftest import run_python
@@ -35,10 +36,13 @@ def assert_parity(report, expected_calls):
     assert report.grad_error <= report.tolerance, (report.worst_tensor, report.grad_error)
 
 
+@pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("model_type", sorted(EXPECTED_CALLS))
-def test_patched_model_matches_stock(model_type, dtype, npu_stand_in):
-    assert_parity(check_parity(model_type, dtype, npu=npu_stand_in), EXPECTED_CALLS[model_type])
+def test_patched_model_matches_stock(model_type, dtype, profile):
+    """On every stand-in profile: every torch_npu release line the kernels support."""
+    with stand_in(profile=profile) as npu:
+        assert_parity(check_parity(model_type, dtype, npu=npu), EXPECTED_CALLS[model_type])
 
 
 LAZY_SCRIPT = """

@@ -19,6 +19,7 @@ import transformers
 import npu_autopatch
 from npu_autopatch.kernels import KERNELS, Kernel, choose_variant
 from npu_autopatch.models import MODELS
+from npu_autopatch.testing import PROFILES, stand_in
 from npu_autopatch.testing.parity import (
     TOLERANCE,
     check_parity,
@@ -108,13 +109,16 @@ def case_id(case):
     return model + "".join(f"-{k}={v}" for k, v in overrides.items())
 
 
+@pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=map(case_id, CASES))
-def test_patched_model_matches_stock(case, dtype, npu_stand_in):
+def test_patched_model_matches_stock(case, dtype, profile):
+    """On every stand-in profile: every torch_npu release line the kernels support."""
     model_type, overrides = case
     if not present(model_type):
         pytest.skip(f"{model_type} is not in transformers {transformers.__version__}")
-    report = check_parity(model_type, dtype, npu=npu_stand_in, kernels=KERNEL_NAMES, **overrides)
+    with stand_in(profile=profile) as npu:
+        report = check_parity(model_type, dtype, npu=npu, kernels=KERNEL_NAMES, **overrides)
     assert_parity(report, model_type)
 
 

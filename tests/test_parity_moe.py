@@ -19,6 +19,7 @@ import transformers
 import npu_autopatch
 from npu_autopatch.kernels import KERNELS, choose_variant
 from npu_autopatch.models import MODELS
+from npu_autopatch.testing import PROFILES, stand_in
 from npu_autopatch.testing.parity import (
     check_parity,
     forward_backward,
@@ -66,8 +67,14 @@ DECAY_TOLERANCE = 1e-1
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
-def expected_calls(model_type):
-    return {op: count * MOE_LAYERS[model_type] for op, count in PER_LAYER.items()}
+def expected_calls(model_type, profile="a2-newest"):
+    """The moe kernel's op calls in one step, named as the profile's release names its backward ops."""
+    backward = PROFILES[profile].autograd  # 26.1.0+: *_grad_v2; 7.2.0 to 26.0.0: *_grad
+    names = {
+        "npu_moe_token_permute_grad_v2": backward["npu_moe_token_permute"],
+        "npu_moe_token_unpermute_grad_v2": backward["npu_moe_token_unpermute"],
+    }
+    return {names.get(op, op): count * MOE_LAYERS[model_type] for op, count in PER_LAYER.items()}
 
 
 def present(model_type):
@@ -114,16 +121,42 @@ def assert_gradients(report, dtype, kernels=None):
         assert error <= bound, (name, error)
 
 
+@pytest.mark.parametrize("profile", [p for p in PROFILES if p != "a2-2.6.0"])
 @DTYPES
 @MODEL_TYPES
-def test_moe_kernel_matches_stock(model_type, dtype, npu_stand_in):
-    report = check_parity(model_type, dtype, npu=npu_stand_in, kernels=["moe"])
+def test_moe_kernel_matches_stock(model_type, dtype, profile):
+    with stand_in(profile=profile) as npu:
+        report = check_parity(model_type, dtype, npu=npu, kernels=["moe"])
     assert report.state == "applied", report.reason
     assert report.kernels == ("moe",)
-    assert report.ops_called == expected_calls(model_type)  # and nothing else ran
+    assert report.ops_called == expected_calls(model_type, profile)  # and nothing else ran
     assert not report.missing_grads, f"no gradient reached {report.missing_grads}"
     assert report.logits_error <= report.tolerance, report.logits_error
     assert_gradients(report, dtype, kernels=["moe"])
+
+
+@DTYPES
+@MODEL_TYPES
+def test_below_op_plugin_7_2_the_experts_run_stock_and_the_model_still_matches(model_type, dtype):
+    """torch_npu 2.6.0 (op-plugin 7.1.0): the moe kernel is gated (no backward for the token ops, no
+    group_type 2) and says why; the model's other kernels hold parity with the experts stock.
+
+    Until the patcher gates kernels itself (the mechanism's side of the contract), the kernels
+    selected here are those whose requirement holds, as the patcher will select them."""
+    with stand_in(profile="a2-2.6.0") as npu:
+        reason = KERNELS["moe"].requires(npu)
+        assert reason is not None and "before op-plugin 7.2.0 (torch_npu 2.6.0 has op-plugin 7.1.0)" in reason
+        kernels = [
+            name for name, kernel in KERNELS.items() if kernel.requires is None or not kernel.requires(npu)
+        ]
+        assert "moe" not in kernels
+        report = check_parity(model_type, dtype, npu=npu, kernels=kernels)
+    assert report.state == "applied", report.reason
+    assert "moe" not in report.kernels and report.ops_called.get("npu_rms_norm")
+    assert not any(op.startswith(("npu_moe", "npu_grouped_matmul")) for op in report.ops_called)
+    assert not report.missing_grads, f"no gradient reached {report.missing_grads}"
+    assert report.logits_error <= report.tolerance, report.logits_error
+    assert_gradients(report, dtype, kernels=kernels)
 
 
 LAZY_SCRIPT = """
@@ -220,9 +253,18 @@ def list_module(experts, hidden, intermediate):
     ],
     ids=["fused-weights", "module-list"],
 )
-def test_an_expert_without_rows_between_others(variant, make_module, empty_expert, npu_stand_in):
+@pytest.mark.parametrize("profile", ["a2-newest", "a2-2.7.1"])
+def test_an_expert_without_rows_between_others(variant, make_module, empty_expert, profile):
     """Twelve tokens routed around expert 1: an empty group between full ones, in the forward
-    grouped matmuls, dx (group type 0) and dW (group type 2), against the stock loop."""
+    grouped matmuls, dx (group type 0) and dW (group type 2), against the stock loop.
+
+    On 2.7.1 (CANN 8.3) the K-split leaves an empty group's block unwritten (NaN in the stand-in):
+    the kernel must zero it itself."""
+    with stand_in(profile=profile) as npu_stand_in:
+        check_an_expert_without_rows(variant, make_module, empty_expert, npu_stand_in)
+
+
+def check_an_expert_without_rows(variant, make_module, empty_expert, npu_stand_in):
     torch.manual_seed(0)
     module = make_module(4, 16, 8)
     stock = {"experts": fused_experts(F.silu), "moe-method": moe_method(weighted=True)}[variant]
@@ -257,6 +299,35 @@ def test_an_expert_without_rows_between_others(variant, make_module, empty_exper
         assert empty is None
     else:
         assert (stock_empty == 0).all() and (empty == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("variant", "make_module"),
+    [("experts", fused_module), ("moe-method", list_module)],
+    ids=["fused-weights", "module-list"],
+)
+def test_a_rank_without_tokens_runs_stock_forward_and_backward(variant, make_module, npu_stand_in):
+    """A micro-batch with no tokens at all: the ops would get empty inputs (npu_swiglu refuses them, the
+    grouped matmul skips its kernel and leaves its output unwritten), so the call runs stock."""
+    torch.manual_seed(0)
+    module = make_module(4, 16, 8)
+    stock = {"experts": fused_experts(F.silu), "moe-method": moe_method(weighted=True)}[variant]
+    kernel = next(v for v in KERNELS["moe"].variants if v.name == variant).build(stock, npu_stand_in, None)
+    x, index = torch.randn(0, 16, requires_grad=True), torch.zeros(0, 2, dtype=torch.int64)
+    weights = torch.rand(0, 2, requires_grad=True)
+    results = []
+    for forward in (stock, kernel):
+        module.zero_grad(set_to_none=True)
+        out = forward(module, x, index, weights)
+        (out.sum() + sum(p.sum() for p in module.parameters()) * 0).backward()
+        results.append(
+            (out.detach(), [None if p.grad is None else p.grad.clone() for p in module.parameters()])
+        )
+    (stock_out, stock_grads), (out, grads) = results
+    assert out.shape == stock_out.shape == (0, 16)
+    for got, expected in zip(grads, stock_grads, strict=True):
+        torch.testing.assert_close(got, expected)
+    assert not any(op.startswith(("npu_moe", "npu_grouped")) for op in npu_stand_in.calls)
 
 
 # One model per variant in use: all of 5.x's are fused experts; 4.57 has four layouts.

@@ -1,6 +1,7 @@
-"""python -m npu_autopatch verify: the parity suite as a user on an NPU would run it."""
+"""python -m npu_autopatch verify: the parity suite and the rotary sweep, as a user on an NPU runs them."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -39,6 +40,36 @@ def test_every_supported_model_verifies_on_the_stand_in():
         if result["status"] == "pass":
             assert result["ops_called"].get("npu_rms_norm", 0) > 0, result
             assert result["dtype"] in ("float32", "bfloat16")
+    # The decisions for this torch_npu, and the rotary shape sweep on it.
+    assert report["decisions"]["torch_npu"] == report["environment"]["torch_npu"]
+    assert report["decisions"]["gated"] == {}
+    assert set(report["decisions"]["rotary_layouts"]) == {"A", "B", "stock"}
+    sweep = report["rope_sweep"]
+    assert sweep["passed"] is True and sweep["cases"]
+    assert {c["dtype"] for c in sweep["cases"]} == {"float32", "bfloat16"}
+    assert all(c["status"] == "pass" for c in sweep["cases"])
+
+
+def test_on_torch_npu_2_6_the_report_says_what_was_gated_and_why():
+    run = cli(*SIMULATE, "a2-2.6.0", "--models", "qwen3_moe,llama", "--dtype", "float32", "--json")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["environment"]["torch_npu"] == "2.6.0"
+    assert report["decisions"]["op_plugin"] == "7.1.0"
+    assert list(report["decisions"]["gated"]) == ["moe"]
+    assert (
+        "before op-plugin 7.2.0 (torch_npu 2.6.0 has op-plugin 7.1.0)" in report["decisions"]["gated"]["moe"]
+    )
+    results = {r["model"]: r for r in report["results"]}
+    assert results["qwen3_moe"]["status"] == "pass" and "moe" not in results["qwen3_moe"]["kernels"]
+    assert not any(op.startswith("npu_moe") for op in results["qwen3_moe"]["ops_called"])
+    assert report["rope_sweep"]["passed"] is True
+
+
+def test_an_unknown_profile_is_refused():
+    run = cli(*SIMULATE, "a2-1.0", "--models", "llama")
+    assert run.returncode == 2
+    assert "unknown stand-in profile 'a2-1.0'" in run.stderr
 
 
 def test_the_table_reads_in_ten_seconds_and_ends_with_a_verdict():
@@ -48,6 +79,12 @@ def test_the_table_reads_in_ten_seconds_and_ends_with_a_verdict():
     assert lines[0].split()[:3] == ["model", "dtype", "result"]
     assert lines[1].split()[:3] == ["llama", "float32", "pass"]
     assert lines[2].split()[:3] == ["qwen3", "float32", "pass"]
+    sweep = [
+        re.fullmatch(r"rotary shape sweep: (\d+) cases, (\d+) pass, the fused op ran in (\d+)", line)
+        for line in lines
+    ]
+    (counts,) = [m.groups() for m in sweep if m]
+    assert counts[0] == counts[1] and int(counts[2]) > 0
     assert lines[-1].startswith("VERIFIED: patched matches stock for every model on cpu")
 
 
@@ -78,6 +115,7 @@ def test_a_miswired_kernel_fails_verify_naming_model_and_tensor():
     assert "FAIL" in rows["llama"] and "FAIL" in rows["qwen3"]
     assert "logits: error" in rows["qwen3"] or "grad of" in rows["qwen3"]
     assert run.stdout.splitlines()[-1].startswith("FAILED: llama/float32, qwen3/float32")
+    assert "rope sweep: half" in run.stdout.splitlines()[-1]  # the sweep catches it too
 
 
 def test_verify_leaves_patching_as_it_found_it():

@@ -120,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         "--json", action="store_true", help="the report and environment, for a bug report"
     )
     verify_cmd.add_argument(
-        "--simulate", action="store_true", help="use the CPU stand-in (with --device cpu)"
+        "--simulate",
+        nargs="?",
+        const=True,
+        metavar="PROFILE",
+        help="use the CPU stand-in (with --device cpu); PROFILE: the torch_npu release it models "
+        "(a2-newest, the default; a2-2.7.1; a2-2.6.0)",
     )
     args = parser.parse_args(argv)
 

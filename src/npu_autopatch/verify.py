@@ -1,10 +1,14 @@
-"""``python -m npu_autopatch verify``: the parity suite, runnable on a real NPU in one command.
+"""``python -m npu_autopatch verify``: the parity suite and the rotary shape sweep, on a real NPU.
 
-Our tests prove parity against a CPU stand-in written from the torch_npu documentation;
-only a machine with an Ascend device can prove it against the real kernels. This runs the
-very same check as the project's parity tests (``testing.parity.check_parity``) for every
-supported model present in the installed transformers: a tiny random model, forward and
-backward stock, then patched on the same weights and inputs, then unpatched again.
+Our tests prove parity against a CPU stand-in that models the device from its sources; only a
+machine with an Ascend device can prove it against the real kernels. This runs the very same
+checks as the project's tests: for every supported model present in the installed transformers,
+``testing.parity.check_parity`` (a tiny random model, forward and backward stock, then patched on
+the same weights and inputs, then unpatched again), and ``testing.rope_sweep`` (every patched
+rotary function on the shapes training feeds it, forward and backward), where a shape rule of the
+kernel that nobody knew shows up as a failing case. The report also states the decisions taken for
+this torch_npu: the op-plugin branch its version maps to, the kernels (and variants) gated and why,
+and the rotary layouts the kernels use.
 
 It counts the torch_npu ops that ran by wrapping the op attributes of the torch_npu module
 for the duration of a run (our kernels look them up at call time), so the count works for
@@ -81,23 +85,84 @@ def environment(npu, device: str, simulated: bool) -> dict:
     }
 
 
-def run(models, dtypes, device: str, npu, simulated: bool) -> dict:
-    """Verify each model in each dtype; leave patching exactly as it was found."""
+def decisions(npu) -> dict:
+    """What this torch_npu gets: its op-plugin branch, the kernels and variants gated (and why), the
+    rotary layouts."""
+    from .kernels import KERNELS
+    from .kernels._requirements import op_plugin_branch
+    from .kernels.rope import LAYOUTS
+
+    version = getattr(npu, "__version__", None)
+    gated = {}
+    for name, kernel in KERNELS.items():
+        if kernel.requires and (reason := kernel.requires(npu)):
+            gated[name] = reason
+        for variant in kernel.variants:
+            if variant.requires and (reason := variant.requires(npu)):
+                gated[f"{name}/{variant.name}"] = reason
+    return {
+        "torch_npu": version,
+        "op_plugin": op_plugin_branch(version) or "unknown (version unreadable)",
+        "gated": gated,
+        "rotary_layouts": LAYOUTS,
+    }
+
+
+def _kernels(model_type: str, gated: dict):
+    """The kernels a model is verified with: all (None), or all but the gated ones, as patching selects."""
+    names = [t.kernel_name for t in MODELS[model_type].targets]
+    if not gated or not names:
+        return None
+    return [name for name in dict.fromkeys(names) if name not in gated]
+
+
+def sweep_report(npu, dtypes, device: str) -> dict:
+    """The rotary shape sweep (testing.rope_sweep): every case, and whether all passed."""
+    import torch
+
+    from .testing.rope_sweep import sweep
+
+    with counting_ops(npu) as calls:
+        cases = sweep(npu, tuple(getattr(torch, d) for d in dtypes), device=device, calls=calls)
+    rows = [
+        {
+            "function": c.function,
+            "models": list(c.models),
+            "variant": c.variant,
+            "shape": c.shape,
+            "dtype": c.dtype,
+            "status": "skipped" if "skipped" in c.extra else "pass" if c.passed else "FAIL",
+            "fused_calls": c.fused_calls,
+            "fused_expected": c.fused_expected,
+            "max_error": c.max_error,
+            "error": c.error or c.extra.get("skipped"),
+        }
+        for c in cases
+    ]
+    return {"cases": rows, "passed": all(r["status"] != "FAIL" for r in rows)}
+
+
+def run(models, dtypes, device: str, npu, simulated: bool, sweep: bool = True) -> dict:
+    """Verify each model in each dtype, then sweep the rotary functions; leave patching as it was."""
     import torch
 
     from .testing.parity import check_parity
 
     was_enabled = _control.is_enabled()
+    chosen = decisions(npu)
     results = []
     try:
         for model_type in models:
             if not present(model_type):
                 results.append({"model": model_type, "status": "not present"})
                 continue
+            kernels = _kernels(model_type, chosen["gated"])
             for dtype_name in dtypes:
                 try:
                     with counting_ops(npu) as calls:
-                        report = check_parity(model_type, getattr(torch, dtype_name), device=device)
+                        report = check_parity(
+                            model_type, getattr(torch, dtype_name), device=device, kernels=kernels
+                        )
                 except Exception as exc:  # one model's crash is that model's failure, not the run's
                     results.append(_crashed(model_type, dtype_name, exc))
                     continue
@@ -119,13 +184,17 @@ def run(models, dtypes, device: str, npu, simulated: bool) -> dict:
                         "patched_seconds": report.patched_seconds,
                     }
                 )
+        rope_sweep = sweep_report(npu, dtypes, device) if sweep else None
     finally:
         if was_enabled:
             _control.enable()
     return {
         "environment": environment(npu, device, simulated),
+        "decisions": chosen,
         "results": results,
-        "passed": all(r["status"] in ("pass", "not present") for r in results),
+        "rope_sweep": rope_sweep,
+        "passed": all(r["status"] in ("pass", "not present") for r in results)
+        and (rope_sweep is None or rope_sweep["passed"]),
     }
 
 
@@ -178,12 +247,47 @@ def format_report(report: dict) -> str:
         )
     env = report["environment"]
     failed = [f"{r['model']}/{r['dtype']}" for r in report["results"] if r["status"] == "FAIL"]
+    lines = [columns(rows), "", *_decision_lines(report["decisions"])]
+    if report["rope_sweep"] is not None:
+        lines += _sweep_lines(report["rope_sweep"])
+        failed += [
+            f"rope sweep: {r['variant']} {r['shape']} {r['dtype']}"
+            for r in report["rope_sweep"]["cases"]
+            if r["status"] == "FAIL"
+        ]
     verdict = (
         f"VERIFIED: patched matches stock for every model on {env['device']} ({env['device_name']})"
         if report["passed"]
         else f"FAILED: {', '.join(failed)} -- please attach `verify --json` output to a bug report"
     )
-    return columns(rows) + "\n\n" + verdict
+    return "\n".join([*lines, "", verdict])
+
+
+def _decision_lines(chosen: dict) -> list[str]:
+    lines = [f"torch_npu {chosen['torch_npu']}: op-plugin {chosen['op_plugin']}"]
+    if not chosen["gated"]:
+        lines.append("gated: nothing (every kernel can run on this torch_npu)")
+    lines += [f"gated: {name}: {reason}" for name, reason in chosen["gated"].items()]
+    lines += [f"rotary layout {name}: {text}" for name, text in chosen["rotary_layouts"].items()]
+    return lines
+
+
+def _sweep_lines(rope_sweep: dict) -> list[str]:
+    cases = rope_sweep["cases"]
+    ran = [c for c in cases if c["status"] != "skipped"]
+    fused = sum(1 for c in ran if c["fused_calls"])
+    passed = len(ran) - len(_failed(cases))
+    lines = [f"rotary shape sweep: {len(ran)} cases, {passed} pass, the fused op ran in {fused}"]
+    for c in _failed(cases):
+        why = c["error"] or ("no fused op ran" if c["fused_expected"] else "the fused op ran, not stock")
+        lines.append(f"  FAIL {c['variant']} {c['shape']} {c['dtype']} ({', '.join(c['models'])}): {why}")
+    skipped = [c for c in cases if c["status"] == "skipped"]
+    lines += [f"  skipped {c['variant']} ({', '.join(c['models'])}): {c['error']}" for c in skipped]
+    return lines
+
+
+def _failed(cases: list[dict]) -> list[dict]:
+    return [c for c in cases if c["status"] == "FAIL"]
 
 
 def main(args) -> int:
@@ -201,12 +305,16 @@ def main(args) -> int:
         )
         return 2
     if args.simulate:
+        from .testing import PROFILES, stand_in
+
         if args.device != "cpu":
             print("--simulate runs on the CPU stand-in: use --device cpu", file=sys.stderr)
             return 2
-        from .testing import stand_in
-
-        with stand_in() as npu:
+        profile = None if args.simulate is True else args.simulate
+        if profile is not None and profile not in PROFILES:
+            print(f"unknown stand-in profile {profile!r}; profiles: {', '.join(PROFILES)}", file=sys.stderr)
+            return 2
+        with stand_in(profile=profile) as npu:
             report = run(models, dtypes, "cpu", npu, simulated=True)
     elif args.device != "npu":
         print("the NPU kernels run on --device npu; --device cpu needs --simulate", file=sys.stderr)

@@ -58,6 +58,16 @@ def _name(line):
     return f"{line[0]}.{line[1]}.0"
 
 
+def op_plugin_branch(version):
+    """The op-plugin branch of a torch_npu version, for a report: '7.1.0', '26.1.0 or later', or None."""
+    line = op_plugin_line(version)
+    if line is None:
+        return None
+    found = _VERSION.match(str(version))
+    newer = tuple(int(part) for part in found.groups()[:3]) > max(_OP_PLUGIN_LINES)
+    return _name(line) + (" or later" if newer else "")
+
+
 def _schema(npu, op):
     """The registered schema of ``op`` (torch_npu exposes torch.ops.npu packets), or None."""
     packet = getattr(npu, op, None)

@@ -49,6 +49,13 @@ from .._types import Kernel, Variant
 from ._probe import agree_strict, first_disagreement, generator, parameters, randn, signature_reason
 from ._requirements import rotary_mode_requirement
 
+# The layouts, as ``verify`` reports them.
+LAYOUTS = {
+    "A": "q/k [B, S, N, D] (a transposed view), cos/sin [1, S, 1, D]: batch-1 cos and B*N < 1000",
+    "B": "q/k [1, B*S, N, D], cos/sin [1, B*S, 1, D]: per-sample cos, B*N >= 1000, the vision tower",
+    "stock": "head dim odd or >= 896, empty, not 4-D (vision: 3-D), or cos not matching q: stock code",
+}
+
 _SIGNATURE_4X = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
 _SIGNATURE_5X = ("q", "k", "cos", "sin", "unsqueeze_dim")
 

@@ -36,7 +36,7 @@ _MODULE_NAMES = ("torch_npu", "torch_npu.npu")
 _ABSENT = object()
 
 
-def _make_npu_submodule(available: bool) -> types.ModuleType:
+def _make_npu_submodule(available: bool, profile: Profile) -> types.ModuleType:
     """``torch_npu.npu``: the device queries HF's is_torch_npu_available() and device code ask."""
     npu = types.ModuleType("torch_npu.npu", "Device queries of the torch_npu stand-in.")
     npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None)
@@ -51,7 +51,7 @@ def _make_npu_submodule(available: bool) -> types.ModuleType:
     def get_device_name(i: int = 0) -> str:
         if not 0 <= i < count:
             raise RuntimeError(f"Invalid device id {i}: the torch_npu stand-in has {count} device(s)")
-        return _DEVICE_NAME
+        return f"{_DEVICE_NAME}: {profile.describe()}"
 
     npu.is_available, npu.device_count, npu.get_device_name = is_available, device_count, get_device_name
     return npu
@@ -93,7 +93,7 @@ def make_torch_npu(
     module.PROFILE = chosen
     module.calls = Counter()
     registration.modules.add(module)
-    module.npu = _make_npu_submodule(available)
+    module.npu = _make_npu_submodule(available, chosen)
     for name in chosen.schemas:
         if name not in missing:
             setattr(module, name, registration.op(name))

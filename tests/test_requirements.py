@@ -3,7 +3,12 @@
 import pytest
 
 from npu_autopatch.kernels import KERNELS
-from npu_autopatch.kernels._requirements import moe_requirement, op_plugin_line, rotary_mode_requirement
+from npu_autopatch.kernels._requirements import (
+    moe_requirement,
+    op_plugin_line,
+    rotary_mode_requirement,
+    swiglu_requirement,
+)
 from npu_autopatch.testing import PROFILES, make_torch_npu
 
 # Ascend/pytorch COMPATIBILITY.en.md, row by row (torch_npu release -> op-plugin branch), and the
@@ -91,9 +96,17 @@ def test_the_interleaved_rotary_needs_rotary_mode():
     assert all(v.requires is None for v in KERNELS["rope"].variants if v is not interleave)
 
 
+def test_swiglu_needs_op_plugin_6():
+    assert swiglu_requirement(module_with_version("2.1.0.post4")) is None
+    assert swiglu_requirement(module_with_version("custom-build")) is None  # the op check decides
+    reason = swiglu_requirement(module_with_version("2.1.0"))
+    assert reason.startswith("npu_swiglu arrived in op-plugin 6.0 (torch_npu 2.1.0 has op-plugin 5.0.0)")
+
+
 def test_the_built_in_kernels_declare_their_requirements():
     assert KERNELS["moe"].requires is moe_requirement
-    assert all(KERNELS[name].requires is None for name in ("rms_norm", "gated_rms_norm", "swiglu", "rope"))
+    assert KERNELS["swiglu"].requires is swiglu_requirement
+    assert all(KERNELS[name].requires is None for name in ("rms_norm", "gated_rms_norm", "rope"))
 
 
 @pytest.mark.parametrize("profile", PROFILES)

@@ -139,3 +139,16 @@ def rotary_mode_requirement(npu):
         "(GLM-4) needs its 'interleave' mode; needs torch_npu >= 2.5.1 (on older PyTorch lines: "
         "2.4.0.post4, 2.3.1.post6, 2.1.0.post12)"
     )
+
+
+def swiglu_requirement(npu):
+    """None if torch_npu has npu_swiglu with its backward (op-plugin 6.0.rc1's op_plugin_functions.yaml and
+    derivatives.yaml; 5.0.0 has npu_rms_norm and npu_rotary_mul, not npu_swiglu), else why not."""
+    version = getattr(npu, "__version__", None)
+    line = op_plugin_line(version)
+    if line is None or line >= (6, 0):
+        return None  # unreadable: the patcher's check that the op exists decides
+    return (
+        f"npu_swiglu arrived in op-plugin 6.0 (torch_npu {version} has op-plugin {_name(line)}); "
+        "needs torch_npu >= 2.2.0 (on the 2.1 line: 2.1.0.post4)"
+    )

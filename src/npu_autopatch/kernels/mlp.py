@@ -17,6 +17,7 @@ import torch
 
 from .._types import Kernel, Variant
 from ._probe import agree_strict, generator, instance, linear, parameters, randn
+from ._requirements import swiglu_requirement
 
 
 def _silu_types():
@@ -107,4 +108,5 @@ SWIGLU = Kernel(
         Variant("gate-up", _build_separate, _probe_separate),
         Variant("fused-gate-up", _build_fused, _probe_fused),
     ),
+    requires=swiglu_requirement,
 )

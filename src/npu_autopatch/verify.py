@@ -116,14 +116,16 @@ def _kernels(model_type: str, gated: dict):
     return [name for name in dict.fromkeys(names) if name not in gated]
 
 
-def sweep_report(npu, dtypes, device: str) -> dict:
-    """The rotary shape sweep (testing.rope_sweep): every case, and whether all passed."""
+def sweep_report(npu, dtypes, device: str, models) -> dict:
+    """The rotary shape sweep (testing.rope_sweep) of the models' rotary functions: every case, and
+    whether all passed."""
     import torch
 
     from .testing.rope_sweep import sweep
 
     with counting_ops(npu) as calls:
-        cases = sweep(npu, tuple(getattr(torch, d) for d in dtypes), device=device, calls=calls)
+        torch_dtypes = tuple(getattr(torch, d) for d in dtypes)
+        cases = sweep(npu, torch_dtypes, device=device, calls=calls, models=models)
     rows = [
         {
             "function": c.function,
@@ -184,7 +186,7 @@ def run(models, dtypes, device: str, npu, simulated: bool, sweep: bool = True) -
                         "patched_seconds": report.patched_seconds,
                     }
                 )
-        rope_sweep = sweep_report(npu, dtypes, device) if sweep else None
+        rope_sweep = sweep_report(npu, dtypes, device, models) if sweep else None
     finally:
         if was_enabled:
             _control.enable()

@@ -65,11 +65,13 @@ class SweepCase:
         return self.error is None and (self.fused_calls > 0) == self.fused_expected
 
 
-def _rotary_functions() -> Iterator[tuple[str, tuple[str, ...], Callable]]:
-    """(module:path, model types, stock function) of every rotary target in the installed transformers,
-    one per distinct code."""
+def _rotary_functions(models=None) -> Iterator[tuple[str, tuple[str, ...], Callable]]:
+    """(module:path, model types, stock function) of every rotary target in the installed transformers
+    (of ``models`` only, if given), one per distinct code."""
     seen: dict[tuple, list] = {}
     for model_type, model in MODELS.items():
+        if models is not None and model_type not in models:
+            continue
         try:
             module = importlib.import_module(model.module)
         except ImportError:
@@ -159,8 +161,11 @@ def _reraise(exc: BaseException, *tensors: torch.Tensor) -> None:
     raise exc
 
 
-def sweep(npu, dtypes=(torch.float32, torch.bfloat16), device: str = "cpu", calls=None) -> list[SweepCase]:
-    """Run every rotary function of the installed transformers on every shape, stock vs patched on ``npu``.
+def sweep(
+    npu, dtypes=(torch.float32, torch.bfloat16), device: str = "cpu", calls=None, models=None
+) -> list[SweepCase]:
+    """Run every rotary function of the installed transformers (of ``models``, if given) on every shape,
+    stock vs patched on ``npu``.
 
     A fused op that raises is a failing case (the replacement's on_error re-raises here, so nothing
     is rescued); a requirement the installed torch_npu misses skips that function's cases. ``calls``
@@ -168,13 +173,13 @@ def sweep(npu, dtypes=(torch.float32, torch.bfloat16), device: str = "cpu", call
     """
     cases = []
     calls = getattr(npu, "calls", None) if calls is None else calls
-    for where, models, stock in _rotary_functions():
+    for where, owners, stock in _rotary_functions(models):
         variant, _ = choose_variant(KERNELS["rope"], stock)
         if variant is None:
             continue
         missing = variant.requires(npu) if variant.requires else None
         if missing:
-            cases.append(SweepCase(where, models, variant.name, "-", "-", False, extra={"skipped": missing}))
+            cases.append(SweepCase(where, owners, variant.name, "-", "-", False, extra={"skipped": missing}))
             continue
         replacement = variant.build(stock, npu, _reraise)
         shapes = _VISION_SHAPES if variant.name == "vision" else _SHAPES_4D
@@ -186,7 +191,7 @@ def sweep(npu, dtypes=(torch.float32, torch.bfloat16), device: str = "cpu", call
                 else:
                     name, args, kwargs, fused = _inputs_4d(variant.name, shape, dtype, gen)
                 args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-                case = SweepCase(where, models, variant.name, name, str(dtype).replace("torch.", ""), fused)
+                case = SweepCase(where, owners, variant.name, name, str(dtype).replace("torch.", ""), fused)
                 before = calls["npu_rotary_mul"] if calls is not None else 0
                 try:
                     case.max_error, case.error = _run(stock, replacement, args, kwargs, dtype)

@@ -162,31 +162,6 @@ def forget(model_type=None):
         _records.pop(model_type, None)
 
 
-class _one_intra_op_thread:
-    """Run the probes on one intra-op thread, then put the user's thread count back.
-
-    The first parallel op of a process, however tiny, starts the OpenMP/MKL thread team,
-    and a child forked after that hangs in its first parallel op (an OpenMP limitation;
-    tests/test_processes.py). Without us, a process that only imports modeling modules has
-    computed nothing and is safe to fork (a tokenizer pool, data workers); our probes must
-    not change that. For the few milliseconds of the probes, torch ops of other threads run
-    on one thread too. torch's native thread pool (no OpenMP) is fork-safe and refuses a
-    new count once used, so it is left alone.
-    """
-
-    def __enter__(self):
-        import torch  # already imported: the modeling module imported it
-
-        self._torch = torch
-        self._threads = torch.get_num_threads() if getattr(torch._C, "has_openmp", False) else 1
-        if self._threads != 1:
-            torch.set_num_threads(1)
-
-    def __exit__(self, *exc_info):
-        if self._threads != 1:
-            self._torch.set_num_threads(self._threads)
-
-
 def _plan(model, module, config, npu):
     """Resolve, check and probe every target; swap nothing. Returns (steps, notes)."""
     steps, notes = [], []
@@ -330,8 +305,7 @@ def apply(model, module, config):
     try:
         if model.load is not None and not model.targets:
             model.targets = _load_plugin(model)
-        with _one_intra_op_thread():
-            steps, notes = _plan(model, module, config, npu)
+        steps, notes = _plan(model, module, config, npu)
         if not steps:
             raise _Skip("no target matches its kernel's math: " + "; ".join(notes or ["no kernel selected"]))
         _commit(model.model_type, module, steps)

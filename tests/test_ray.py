@@ -16,6 +16,8 @@ import pytest
 
 from .conftest import ROOT, STAND_IN_SITE, child_env
 
+pytest.importorskip("ray", reason="ray is not installed")
+
 DRIVER = """
 import json, sys
 import ray

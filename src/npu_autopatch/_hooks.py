@@ -32,7 +32,6 @@ from every post-import hook. What runs under a module's import lock, and why it 
 deadlock, is in _patcher.
 """
 
-import fnmatch
 import functools
 import sys
 
@@ -66,15 +65,6 @@ def install_watcher():
 
 def is_remote(model):
     return model.module.startswith(REMOTE_PREFIX)
-
-
-def matches(model, module_name):
-    """Whether ``module_name`` is ``model``'s module (or matches its trust_remote_code pattern)."""
-    if not module_name:
-        return False
-    if is_remote(model):
-        return fnmatch.fnmatchcase(module_name, model.module)
-    return module_name == model.module
 
 
 def _patcher():
@@ -136,7 +126,7 @@ def _imported(models):
     names = {m.module for m in models if not is_remote(m)}
     patterns = [m for m in models if is_remote(m)]
     if patterns:
-        names.update(n for n in list(sys.modules) if any(matches(m, n) for m in patterns))
+        names.update(n for n in list(sys.modules) if any(m.matches(n) for m in patterns))
     return [sys.modules[n] for n in sorted(names) if sys.modules.get(n) is not None]
 
 

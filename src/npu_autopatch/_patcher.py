@@ -55,10 +55,8 @@ def patch_imported(module):
     after every model of the module had its turn).
     """
     name = getattr(module, "__name__", None)
-    from ._hooks import matches
-
     errors = []
-    for model in [m for m in list(STATE.models.values()) if matches(m, name)]:
+    for model in [m for m in list(STATE.models.values()) if m.matches(name)]:
         try:
             apply(model, module)
         except PatchError as exc:

@@ -328,6 +328,7 @@ def check_parity(
     if not lazy:
         stock, stock_seconds = _timed(device, forward_backward, model, input_ids, labels, **inputs)
         npu_autopatch.enable(models=[model_type], kernels=kernels)  # patches the imported module at once
+        use_patched_experts(model, model_type)
     try:
         record = npu_autopatch.status()[model_type]
         patched, patched_seconds = _timed(device, forward_backward, model, input_ids, labels, **inputs)
@@ -348,6 +349,15 @@ def check_parity(
         patched_seconds=patched_seconds,
     )
     return compare(report, stock, patched)
+
+
+def use_patched_experts(model, model_type):
+    """transformers 5.x: a model built before patching keeps the experts implementation it
+    resolved then; switch it to the patched one, as a user would."""
+    from .._experts import KEY
+
+    if "moe" in npu_autopatch.status()[model_type].kernels and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(KEY)
 
 
 def _to(batch, device):

@@ -192,7 +192,8 @@ def test_the_record_and_vocabulary_are_public_and_typed():
     )
     assert (Path(npu_autopatch.__file__).parent / "py.typed").is_file()
     record = npu_autopatch.status()["qwen3"]
-    assert json.loads(json.dumps(record.as_dict()))["state"] == "off"
+    plain = json.loads(json.dumps(record.as_dict()))
+    assert plain["state"] == record.state.value and plain["code"] == record.code.value
 
 
 CHEAP = """

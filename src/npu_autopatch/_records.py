@@ -27,6 +27,11 @@ class State(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    def __reduce_ex__(
+        self, protocol
+    ):  # crosses process boundaries as a plain str: the receiver needs no npu_autopatch
+        return str, (self.value,)
+
 
 class ReasonCode(str, enum.Enum):
     """Why a model (or one of its targets) is not simply applied: the machine-readable half of a reason."""
@@ -57,6 +62,9 @@ class ReasonCode(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    def __reduce_ex__(self, protocol):
+        return str, (self.value,)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import _config, _hooks, _ledger, _log
+from . import _config, _hooks, _log
 from ._state import STATE
 from ._types import Model
 
@@ -26,6 +26,13 @@ if TYPE_CHECKING:  # without importing typing at interpreter start
     from ._types import Target
 
 _BUILTIN = dict(STATE.models)  # the shipped table, to restore a built-in after unregister()
+
+
+def _ledger():
+    """The ledger module, imported when first needed (nothing is in it at interpreter start)."""
+    from . import _ledger as ledger
+
+    return ledger
 
 
 def discover_plugins() -> None:
@@ -95,7 +102,7 @@ def _new_generation():
 def _revert_all(why):
     """Release every slot; a patched model's record says ``reverted``, the others are forgotten."""
     for model_type in list(STATE.held):
-        _ledger.release_all(model_type)
+        _ledger().release_all(model_type)
     if not STATE.records:
         return  # at interpreter start: no need for the records' module (dataclasses, enum)
     from ._records import ReasonCode, State
@@ -186,7 +193,7 @@ def unregister(model_type: str) -> None:
 
 
 def _forget(model_type):
-    _ledger.release_all(model_type)
+    _ledger().release_all(model_type)
     STATE.records.pop(model_type, None)
     STATE.explicit_experts.pop(model_type, None)
 
@@ -241,7 +248,7 @@ def _live(model, roots):
             rec = _with(rec, reason="; ".join(r for r in (rec.reason, note) if r))
     module = sys.modules.get(model.module)
     if module is not None and model.targets:
-        shared = _ledger.shared_targets(model, module)
+        shared = _ledger().shared_targets(model, module)
         if shared:
             told = "; ".join(f"{where} (held by {', '.join(holders)})" for where, holders in shared.items())
             extra = f"still runs kernels through targets it shares with other models: {told}"
@@ -262,7 +269,7 @@ def _downgraded(rec, model_type):
     from ._records import ReasonCode, State
 
     placed_module = STATE.placed[model_type][0]
-    moved = _ledger.moved(model_type, sys.modules.get(placed_module.__name__))
+    moved = _ledger().moved(model_type, sys.modules.get(placed_module.__name__))
     if moved is not None and moved[0] == "gone":
         return _with(
             rec,
@@ -284,7 +291,7 @@ def _downgraded(rec, model_type):
                 rec,
                 state=State.OVERRIDDEN,
                 code=ReasonCode.REPLACED_AFTER_US,
-                reason=f"{slot.where} was replaced after us by {_ledger.foreign_holder(now)}",
+                reason=f"{slot.where} was replaced after us by {_ledger().foreign_holder(now)}",
             )
     return None
 

@@ -32,7 +32,6 @@ from every post-import hook. What runs under a module's import lock, and why it 
 deadlock, is in _patcher.
 """
 
-import functools
 import sys
 
 from . import _log
@@ -212,6 +211,8 @@ def _call_hooks_when_done(module):
 
 def wrap_remote(dynamic_module_utils):
     """Wrap get_class_in_module while a remote-code model is registered; never raise."""
+    import functools  # not at interpreter start: it pulls in collections (~1 ms)
+
     try:
         with _log.locked:
             if STATE.remote_wrapped is not None or not STATE.enabled:

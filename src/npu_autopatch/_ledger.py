@@ -18,10 +18,10 @@ site-packages or a relative ``sys.path`` entry.
 
 import os
 import sys
-import types
 
 from ._state import STATE
 
+_FUNCTION = type(lambda: None)  # types.FunctionType, without importing types at interpreter start
 _ORIGINAL = object()  # Slot(seen=...) default: the plan found the original there
 
 
@@ -114,11 +114,11 @@ def stock_function(obj):
     with ``use_kernel_forward_from_hub`` into an ``nn.Module`` instance whose ``forward``
     calls the original function; so do not rely on ``inspect.isfunction``.
     """
-    if type(obj) is types.FunctionType:
+    if type(obj) is _FUNCTION:
         return obj
     forward = getattr(type(obj), "forward", None)
     for cell in getattr(forward, "__closure__", None) or ():
-        if type(cell.cell_contents) is types.FunctionType:
+        if type(cell.cell_contents) is _FUNCTION:
             return cell.cell_contents
     return None
 

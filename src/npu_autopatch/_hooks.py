@@ -150,7 +150,7 @@ def _table():
 
 
 def _hook(name):
-    """Our hook first in wrapt's list for ``name``'s next execution (once). Caller holds the lock."""
+    """Our hook first in wrapt's list for ``name``'s next execution (once), under wrapt's lock."""
     found = _table()
     if found is None:
         if name not in STATE.hooked and name not in sys.modules:

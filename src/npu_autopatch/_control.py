@@ -11,10 +11,9 @@ experts-registry entries, get_class_in_module), leaving later imports stock.
 
 from __future__ import annotations
 
-import os
 import sys
 
-from . import _config, _hooks, _log
+from . import _config, _log
 from ._state import STATE
 from ._types import Model
 
@@ -26,6 +25,28 @@ if TYPE_CHECKING:  # without importing typing at interpreter start
     from ._types import Target
 
 _BUILTIN = dict(STATE.models)  # the shipped table, to restore a built-in after unregister()
+
+
+def _hooks():
+    """The hooks module (wrapt's side), imported when first needed."""
+    from . import _hooks as hooks
+
+    return hooks
+
+
+class TransformersWatcher:
+    """Arms the hooks when transformers' body starts importing its own submodules.
+
+    The only finder we put in sys.meta_path ourselves; it decides *when* wrapt is imported
+    (see _hooks). One attribute test per unrelated import. It stays in sys.meta_path when
+    inert: removing a finder while the import system iterates over it could skip the next.
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        if STATE.armed or not STATE.enabled or not fullname.startswith("transformers."):
+            return None
+        _hooks().arm_safely()
+        return None
 
 
 def _ledger():
@@ -72,8 +93,9 @@ def enable(
         STATE.enabled = True
         _new_generation()
         arm_now = "transformers" in sys.modules
-        if not arm_now:
-            _hooks.install_watcher()
+        if not arm_now and STATE.watcher is None:
+            STATE.watcher = TransformersWatcher()
+            sys.meta_path.insert(0, STATE.watcher)
     if arm_now:
         errors = _arm()
         if errors:
@@ -83,7 +105,7 @@ def enable(
 def _arm(models=None):
     """Arm the hooks; a failure to arm is recorded and logged, never raised. Returns strict errors."""
     try:
-        return _hooks.arm(models)
+        return _hooks().arm(models)
     except Exception as exc:
         with _log.locked:
             STATE.arm_error = f"{type(exc).__name__}: {exc}"
@@ -133,7 +155,8 @@ def disable() -> None:
         STATE.enabled = False
         _new_generation()
         _revert_all("disable() restored the originals")
-        _hooks.unwrap_remote()
+        if STATE.remote_wrapped is not None:
+            _hooks().unwrap_remote()
 
 
 def is_enabled() -> bool:
@@ -188,8 +211,8 @@ def unregister(model_type: str) -> None:
             STATE.models[model_type] = _BUILTIN[model_type]
         else:
             del STATE.models[model_type]
-        if not any(_hooks.is_remote(m) for m in STATE.models.values()):
-            _hooks.unwrap_remote()
+        if STATE.remote_wrapped is not None and not any(_hooks().is_remote(m) for m in STATE.models.values()):
+            _hooks().unwrap_remote()
 
 
 def _forget(model_type):
@@ -204,116 +227,7 @@ def status() -> dict[str, PatchRecord]:
     Cheap: no torch, no wrapt, no package metadata (installed plugins are listed once
     transformers is imported, or by ``python -m npu_autopatch status``).
     """
+    from ._records import report  # dataclasses and enum: only when asked
+
     with _log.locked:
-        roots = _transformers_roots()
-        return {model_type: _live(model, roots) for model_type, model in list(STATE.models.items())}
-
-
-def _live(model, roots):
-    """The record of ``model`` as things stand now (caller holds the lock)."""
-    from ._experts import explicit_note
-    from ._records import PatchRecord, ReasonCode, State
-
-    model_type = model.model_type
-    rec = STATE.records.get(model_type)
-    if rec is None:
-        unwanted = STATE.config.wants(model_type) if STATE.config is not None and STATE.enabled else None
-        if not STATE.enabled:
-            state, code, reason = State.OFF, "not-enabled", "patching is not enabled"
-        elif STATE.arm_error is not None:
-            state, code, reason = (
-                State.FAILED,
-                "hooks-failed",
-                f"the import hooks could not be armed: {STATE.arm_error}",
-            )
-        elif unwanted is not None:
-            state, (code, reason) = State.SKIPPED, unwanted
-        elif _absent(model, roots):
-            state, code, reason = (
-                State.ABSENT,
-                "module-absent",
-                f"{model.module} is not in the installed transformers",
-            )
-        else:
-            state, code, reason = (
-                State.PENDING,
-                "waiting-for-import",
-                f"waiting for the import of {model.module}",
-            )
-        rec = PatchRecord(model_type, model.module, state, reason, code=ReasonCode(code))
-    elif rec.state in (State.APPLIED, State.PARTIAL) and model_type in STATE.placed:
-        rec = _downgraded(rec, model_type) or rec
-        note = explicit_note(model_type)
-        if note and rec.state in (State.APPLIED, State.PARTIAL):
-            rec = _with(rec, reason="; ".join(r for r in (rec.reason, note) if r))
-    module = sys.modules.get(model.module)
-    if module is not None and model.targets:
-        shared = _ledger().shared_targets(model, module)
-        if shared:
-            told = "; ".join(f"{where} (held by {', '.join(holders)})" for where, holders in shared.items())
-            extra = f"still runs kernels through targets it shares with other models: {told}"
-            if rec.state in (State.APPLIED, State.PARTIAL):
-                extra = None  # a model that holds kernels itself: its targets say it
-            rec = _with(rec, shared=shared, reason="; ".join(r for r in (rec.reason, extra) if r))
-    return rec
-
-
-def _with(rec, **changes):
-    from dataclasses import replace
-
-    return replace(rec, **changes)
-
-
-def _downgraded(rec, model_type):
-    """The record downgraded when what it claims no longer holds, else None."""
-    from ._records import ReasonCode, State
-
-    placed_module = STATE.placed[model_type][0]
-    moved = _ledger().moved(model_type, sys.modules.get(placed_module.__name__))
-    if moved is not None and moved[0] == "gone":
-        return _with(
-            rec,
-            state=State.PENDING,
-            code=ReasonCode.IMPORT_FAILED,
-            reason=f"the import of {placed_module.__name__} failed after it was patched (did another "
-            "library's post-import hook raise?); it is patched when imported again",
-        )
-    if moved is not None:
-        return _with(rec, state=State.OVERRIDDEN, code=ReasonCode(moved[0]), reason=moved[1])
-    latest = {key for _path, key in STATE.placed[model_type][1]}
-    for key in STATE.held.get(model_type, ()):
-        slot = STATE.slots.get(key)
-        if slot is None or key not in latest:
-            continue
-        now = slot.current()
-        if now is not slot.replacement:
-            return _with(
-                rec,
-                state=State.OVERRIDDEN,
-                code=ReasonCode.REPLACED_AFTER_US,
-                reason=f"{slot.where} was replaced after us by {_ledger().foreign_holder(now)}",
-            )
-    return None
-
-
-def _transformers_roots():
-    """The directories transformers' package lives in, found without importing it (or None)."""
-    transformers = sys.modules.get("transformers")
-    if transformers is not None:
-        return list(getattr(transformers, "__path__", ()))
-    import importlib.machinery
-
-    spec = importlib.machinery.PathFinder.find_spec("transformers")
-    return list(spec.submodule_search_locations or ()) if spec is not None else []
-
-
-def _absent(model, roots):
-    """Whether a transformers.models.* module is missing from the installed transformers."""
-    parts = model.module.split(".")
-    if parts[:2] != ["transformers", "models"] or "*" in model.module:
-        return False
-    for root in roots:
-        base = os.path.join(root, *parts[1:])
-        if os.path.exists(base + ".py") or os.path.isdir(base):
-            return False
-    return True
+        return report()

@@ -1,10 +1,11 @@
 """How modeling modules reach the patcher: one mechanism, wrapt's post-import hooks.
 
-1. enable() (or the .pth line) puts only a stdlib finder in ``sys.meta_path``: the watcher.
-   It decides *when* wrapt is imported (~70 ms, asyncio included): when transformers' body
-   runs (the first import of one of its submodules), never on
-   ``importlib.util.find_spec("transformers")``, which accelerate, peft and trl call to test
-   availability. After that it answers None to every name at the cost of one attribute test.
+1. enable() (or the .pth line) puts only a stdlib finder in ``sys.meta_path``: the watcher
+   (_control.TransformersWatcher). It decides *when* this module and wrapt are imported
+   (~70 ms, asyncio included): when transformers' body runs (the first import of one of its
+   submodules), never on ``importlib.util.find_spec("transformers")``, which accelerate,
+   peft and trl call to test availability. After that it answers None to every name at the
+   cost of one attribute test.
 2. Arming registers one wrapt hook per modeling module of the registry, all of them first;
    then the modules already imported are patched; then the collected strict errors are
    raised (by the caller). A strict failure never leaves a later model without its hook.
@@ -39,27 +40,6 @@ from ._state import STATE
 
 REMOTE_PREFIX = "transformers_modules."
 DYNAMIC = "transformers.dynamic_module_utils"
-
-
-class TransformersWatcher:
-    """Arms the hooks when transformers' body starts importing its own submodules."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if STATE.armed or not STATE.enabled or not fullname.startswith("transformers."):
-            return None
-        arm_safely()
-        return None
-
-
-def install_watcher():
-    """Put the watcher in front of sys.meta_path, once. Caller holds the lock.
-
-    It stays there when inert: removing a finder while the import system iterates over
-    sys.meta_path could make it skip the next one.
-    """
-    if STATE.watcher is None:
-        STATE.watcher = TransformersWatcher()
-        sys.meta_path.insert(0, STATE.watcher)
 
 
 def is_remote(model):

@@ -8,7 +8,13 @@ cost ~10 ms each).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import os
+import sys
+from dataclasses import dataclass, field, replace
+
+from . import _ledger
+from ._experts import explicit_note
+from ._state import STATE
 
 
 class State(str, enum.Enum):
@@ -112,3 +118,114 @@ class PatchError(Exception):
     ImportError:`` fallback would swallow it. So ``from transformers import Qwen3ForCausalLM``
     raises this very exception.
     """
+
+
+# --- status(): every model's record as things stand now (the caller holds the lock) -------
+
+
+def report():
+    roots = _transformers_roots()
+    return {model_type: _live(model, roots) for model_type, model in list(STATE.models.items())}
+
+
+def _live(model, roots):
+    """The record of ``model`` as things stand now (caller holds the lock)."""
+    model_type = model.model_type
+    rec = STATE.records.get(model_type)
+    if rec is None:
+        unwanted = STATE.config.wants(model_type) if STATE.config is not None and STATE.enabled else None
+        if not STATE.enabled:
+            state, code, reason = State.OFF, "not-enabled", "patching is not enabled"
+        elif STATE.arm_error is not None:
+            state, code, reason = (
+                State.FAILED,
+                "hooks-failed",
+                f"the import hooks could not be armed: {STATE.arm_error}",
+            )
+        elif unwanted is not None:
+            state, (code, reason) = State.SKIPPED, unwanted
+        elif _absent(model, roots):
+            state, code, reason = (
+                State.ABSENT,
+                "module-absent",
+                f"{model.module} is not in the installed transformers",
+            )
+        else:
+            state, code, reason = (
+                State.PENDING,
+                "waiting-for-import",
+                f"waiting for the import of {model.module}",
+            )
+        rec = PatchRecord(model_type, model.module, state, reason, code=ReasonCode(code))
+    elif rec.state in (State.APPLIED, State.PARTIAL) and model_type in STATE.placed:
+        rec = _downgraded(rec, model_type) or rec
+        note = explicit_note(model_type)
+        if note and rec.state in (State.APPLIED, State.PARTIAL):
+            rec = _with(rec, reason="; ".join(r for r in (rec.reason, note) if r))
+    module = sys.modules.get(model.module)
+    if module is not None and model.targets:
+        shared = _ledger.shared_targets(model, module)
+        if shared:
+            told = "; ".join(f"{where} (held by {', '.join(holders)})" for where, holders in shared.items())
+            extra = f"still runs kernels through targets it shares with other models: {told}"
+            if rec.state in (State.APPLIED, State.PARTIAL):
+                extra = None  # a model that holds kernels itself: its targets say it
+            rec = _with(rec, shared=shared, reason="; ".join(r for r in (rec.reason, extra) if r))
+    return rec
+
+
+def _with(rec, **changes):
+    return replace(rec, **changes)
+
+
+def _downgraded(rec, model_type):
+    """The record downgraded when what it claims no longer holds, else None."""
+    placed_module = STATE.placed[model_type][0]
+    moved = _ledger.moved(model_type, sys.modules.get(placed_module.__name__))
+    if moved is not None and moved[0] == "gone":
+        return _with(
+            rec,
+            state=State.PENDING,
+            code=ReasonCode.IMPORT_FAILED,
+            reason=f"the import of {placed_module.__name__} failed after it was patched (did another "
+            "library's post-import hook raise?); it is patched when imported again",
+        )
+    if moved is not None:
+        return _with(rec, state=State.OVERRIDDEN, code=ReasonCode(moved[0]), reason=moved[1])
+    latest = {key for _path, key in STATE.placed[model_type][1]}
+    for key in STATE.held.get(model_type, ()):
+        slot = STATE.slots.get(key)
+        if slot is None or key not in latest:
+            continue
+        now = slot.current()
+        if now is not slot.replacement:
+            return _with(
+                rec,
+                state=State.OVERRIDDEN,
+                code=ReasonCode.REPLACED_AFTER_US,
+                reason=f"{slot.where} was replaced after us by {_ledger.foreign_holder(now)}",
+            )
+    return None
+
+
+def _transformers_roots():
+    """The directories transformers' package lives in, found without importing it (or None)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is not None:
+        return list(getattr(transformers, "__path__", ()))
+    import importlib.machinery
+
+    spec = importlib.machinery.PathFinder.find_spec("transformers")
+    return list(spec.submodule_search_locations or ()) if spec is not None else []
+
+
+def _absent(model, roots):
+    """Whether a transformers.models.* module is missing from the installed transformers."""
+    parts = model.module.split(".")
+    if parts[:2] != ["transformers", "models"] or "*" in model.module:
+        return False
+    for root in roots:
+        base = os.path.join(root, *parts[1:])
+        if os.path.exists(base + ".py") or os.path.isdir(base):
+            return False
+    return True

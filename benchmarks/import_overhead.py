@@ -29,7 +29,7 @@ def main():
     import transformers  # noqa: F401  (arms the hooks: wrapt's finder goes in front of ours)
 
     finders = {type(f).__name__: f for f in sys.meta_path}
-    watcher, wrapt_finder = finders["_TransformersWatcher"], finders["ImportHookFinder"]
+    watcher, wrapt_finder = finders["TransformersWatcher"], finders["ImportHookFinder"]
     empty_loop = per_call_ns(lambda name: None)
     ours = per_call_ns(watcher.find_spec) - empty_loop
     wrapts = per_call_ns(wrapt_finder.find_spec) - empty_loop

@@ -24,30 +24,31 @@ RUNS = 30
 
 
 def per_model():
-    from npu_autopatch import _config, _patcher
-    from npu_autopatch.models import MODELS
+    import npu_autopatch
+    from npu_autopatch import _ledger, _patcher
+    from npu_autopatch._state import STATE
     from npu_autopatch.testing import stand_in
 
-    config = _config.resolve(None, None, None, None, False, warn=print, environ={})
     rows = []
     with stand_in():
         modules = {}
-        for model_type, model in MODELS.items():
+        for model_type, model in STATE.models.items():
             try:
                 modules[model_type] = importlib.import_module(model.module)
             except ImportError:
                 continue  # not in this transformers
-        _patcher.apply(MODELS["llama"], modules["llama"], config)  # warm up: kernels, golden ops
-        _patcher.revert("llama")
+        npu_autopatch.enable()  # patches every imported module once: warm-up (kernels, golden ops, device)
         for model_type, module in modules.items():
             samples = []
             for _ in range(RUNS):
+                _ledger.release_all(model_type)
+                STATE.records.pop(model_type, None)
                 begin = time.perf_counter()
-                record = _patcher.apply(MODELS[model_type], module, config)
+                record = _patcher.apply(STATE.models[model_type], module)
                 samples.append(time.perf_counter() - begin)
-                _patcher.revert(model_type)
-                _patcher.forget()
-            rows.append((model_type, statistics.median(samples) * 1e3, len(record.targets), record.state))
+            median_ms = statistics.median(samples) * 1e3
+            rows.append((model_type, median_ms, len(record.targets), record.state.value))
+        npu_autopatch.disable()
     return rows
 
 

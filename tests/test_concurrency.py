@@ -67,9 +67,11 @@ if hung:
 def holds_kernel(module, where):
     owner_path = where.split(":", 1)[1].split(".")
     owner = module
-    for name in owner_path:
+    for name in owner_path[:-1]:
         owner = getattr(owner, name)
-    return owner.__module__.startswith("npu_autopatch.kernels")
+    # 5.x experts keep transformers' dispatching forward; the kernel is the registered implementation.
+    target = getattr(owner, "_npu_autopatch_experts", None) or getattr(owner, owner_path[-1])
+    return target.__module__.startswith("npu_autopatch.kernels")
 
 report = npu_autopatch.status()
 result = {}

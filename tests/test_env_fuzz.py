@@ -63,10 +63,10 @@ def corpus(marker):
 STATE = """
 import json, sys
 npu = sys.modules.get("npu_autopatch")
-control = sys.modules.get("npu_autopatch._control")
+state = sys.modules.get("npu_autopatch._state")
 print(json.dumps({
     "enabled": bool(npu and npu.is_enabled()),
-    "config": repr(control._config_now) if control and control._config_now else None,
+    "config": repr(state.STATE.config) if state and state.STATE.config else None,
     "modules": sorted(sys.modules),
 }))
 """

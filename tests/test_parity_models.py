@@ -232,14 +232,14 @@ def test_a_zero_centred_norm_is_never_given_the_llama_kernel(npu_stand_in, monke
     # With only the llama variant, Gemma3's (1 + weight) norm is refused and stays stock.
     monkeypatch.setattr(KERNELS["rms_norm"], "variants", KERNELS["rms_norm"].variants[:1])
     report = check_parity("gemma3", npu=npu_stand_in)
-    assert report.state == "applied" and report.kernels == ("rope",)
+    assert report.state == "partial" and report.kernels == ("rope",)  # a selected target left stock
     assert report.reason == (
         "rms_norm not applied to transformers.models.gemma3.modeling_gemma3:Gemma3RMSNorm.forward: "
         "the stock code reads state this kernel does not provide "
         "('Gemma3RMSNorm' object has no attribute 'eps')"
     )
     assert "npu_rms_norm" not in report.ops_called
-    assert report.passed
+    assert not report.missing_grads and not report.over_tolerance  # what it patched is right
 
 
 ZERO_CENTRED = [

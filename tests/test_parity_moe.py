@@ -26,6 +26,7 @@ from npu_autopatch.testing.parity import (
     model_batch,
     relative_error,
     tiny_model,
+    use_patched_experts,
 )
 
 from .conftest import run_python
@@ -138,25 +139,20 @@ def test_moe_kernel_matches_stock(model_type, dtype, profile):
 @DTYPES
 @MODEL_TYPES
 def test_below_op_plugin_7_2_the_experts_run_stock_and_the_model_still_matches(model_type, dtype):
-    """torch_npu 2.6.0 (op-plugin 7.1.0): the moe kernel is gated (no backward for the token ops, no
-    group_type 2) and says why; the model's other kernels hold parity with the experts stock.
-
-    Until the patcher gates kernels itself (the mechanism's side of the contract), the kernels
-    selected here are those whose requirement holds, as the patcher will select them."""
+    """torch_npu 2.6.0 (op-plugin 7.1.0): the patcher gates the moe kernel (no backward for the token
+    ops, no group_type 2), status() says why, and the model's other kernels hold parity with the
+    experts stock."""
     with stand_in(profile="a2-2.6.0") as npu:
-        reason = KERNELS["moe"].requires(npu)
-        assert reason is not None and "before op-plugin 7.2.0 (torch_npu 2.6.0 has op-plugin 7.1.0)" in reason
-        kernels = [
-            name for name, kernel in KERNELS.items() if kernel.requires is None or not kernel.requires(npu)
-        ]
-        assert "moe" not in kernels
-        report = check_parity(model_type, dtype, npu=npu, kernels=kernels)
-    assert report.state == "applied", report.reason
+        report = check_parity(model_type, dtype, npu=npu)
+    assert report.state == "partial" and report.code == "kernel-unsupported", report.reason
+    assert set(report.stock.values()) == {"kernel-unsupported"}
+    assert "before op-plugin 7.2.0 (torch_npu 2.6.0 has op-plugin 7.1.0)" in report.reason
+    assert report.passed, report  # gated, told, and the rest matches stock
     assert "moe" not in report.kernels and report.ops_called.get("npu_rms_norm")
     assert not any(op.startswith(("npu_moe", "npu_grouped_matmul")) for op in report.ops_called)
     assert not report.missing_grads, f"no gradient reached {report.missing_grads}"
     assert report.logits_error <= report.tolerance, report.logits_error
-    assert_gradients(report, dtype, kernels=kernels)
+    assert_gradients(report, dtype, kernels=[k for k in KERNELS if k != "moe"])
 
 
 LAZY_SCRIPT = """
@@ -196,6 +192,7 @@ def test_a_single_token_matches_stock(model_type, npu_stand_in):
     input_ids, labels = torch.tensor([[17]]), torch.tensor([[42]])
     stock_logits, stock = forward_backward(model, input_ids, labels)
     npu_autopatch.enable(models=[model_type], kernels=["moe"])
+    use_patched_experts(model, model_type)  # 5.x: built before patching, it kept transformers' default
     try:
         assert npu_autopatch.status()[model_type].state == "applied"
         calls = npu_stand_in.calls["npu_grouped_matmul"]

@@ -21,12 +21,15 @@ GRANITE = (
 
 @pytest.fixture
 def registry():
-    """Registrations made by a test are dropped after it (the table is process-wide)."""
+    """Registrations made by a test are dropped after it (the registry is process-wide)."""
     saved = dict(models.MODELS)
     yield models.MODELS
     npu_autopatch.disable()
-    models.MODELS.clear()
-    models.MODELS.update(saved)
+    for model_type in set(models.MODELS) | set(saved):
+        if models.MODELS.get(model_type) is not saved.get(model_type):
+            npu_autopatch.unregister(model_type)
+            if model_type in saved:
+                models.MODELS[model_type] = saved[model_type]
 
 
 def test_register_after_enable_patches_at_once_and_disable_undoes_it(npu_stand_in, registry):
@@ -126,9 +129,15 @@ def test_the_cli_lists_an_installed_plugin(tmp_path):
 @pytest.mark.parametrize(
     ("body", "why"),
     [
-        ("raise ImportError('acme needs libfoo')", "failed to load: ImportError: acme needs libfoo"),
-        (PLUGIN.replace("GraniteMLP", "GraniteMlp"), "target GraniteMlp.forward not found"),
-        ("MODEL = 42", "is a int, not an npu_autopatch.Model"),
+        (
+            "raise ImportError('acme needs libfoo')",
+            "plugin granite = acme_npu:MODEL failed to load: ImportError: acme needs libfoo",
+        ),
+        (
+            PLUGIN.replace("GraniteMLP", "GraniteMlp"),
+            "target GraniteMlp.forward not found in transformers.models.granite.modeling_granite",
+        ),
+        ("MODEL = 42", "plugin granite = acme_npu:MODEL failed to load: TypeError: acme_npu:MODEL is a int"),
     ],
     ids=["import-error", "bad-target", "not-a-model"],
 )
@@ -136,18 +145,32 @@ def test_a_broken_plugin_is_one_model_failing(tmp_path, body, why):
     child = run_python(LAZY, NPU_AUTOPATCH="1", PYTHONPATH=_plugin_site(tmp_path, body))
     assert child.returncode == 0, child.stderr
     _listed, _early, granite, qwen3, module_after = json.loads(child.stdout)
-    assert granite["state"] == "failed" and why in granite["reason"], granite
-    assert "plugin granite = acme_npu:MODEL" in granite["reason"] or "not found" in why
+    assert granite["state"] == "failed" and granite["reason"].startswith(why), granite
     assert qwen3 == "applied"
     assert module_after == "transformers.models.granite.modeling_granite"
 
 
+TAKEOVER = """
+import json, sys
+from transformers.models.qwen3 import modeling_qwen3
+import npu_autopatch
+record = npu_autopatch.status()["qwen3"]
+print(json.dumps([record.state, list(record.kernels), "acme_npu" in sys.modules,
+                  modeling_qwen3.Qwen3RMSNorm.forward.__module__]))
+"""
+
+
 def test_a_plugin_cannot_take_over_a_built_in_model(tmp_path):
-    site = _plugin_site(tmp_path, PLUGIN.replace('"granite"', '"qwen3"'), entry_name="qwen3")
-    child = run_python(
-        LAZY.replace('["granite"].state', '["qwen3"].state'), NPU_AUTOPATCH="1", PYTHONPATH=site
-    )
+    plugin = PLUGIN.replace('"granite"', '"qwen3"').replace("Granite", "Qwen3")
+    site = _plugin_site(tmp_path, plugin.replace("Qwen3MLP", "Qwen3Nothing"), entry_name="qwen3")
+    child = run_python(TAKEOVER, NPU_AUTOPATCH="1", PYTHONPATH=site)
+    assert child.returncode == 0, child.stderr
     assert "plugin entry point qwen3 = acme_npu:MODEL ignored: qwen3 is built in" in child.stderr
+    state, kernels, plugin_loaded, norm_module = json.loads(child.stdout)
+    # The built-in entry patched qwen3 (the plugin's broken target would have failed it), and
+    # the plugin's code was never imported.
+    assert [state, kernels, plugin_loaded] == ["applied", ["rms_norm", "swiglu", "rope"], False]
+    assert norm_module == "npu_autopatch.kernels.norm"
 
 
 REMOTE = """

@@ -11,6 +11,7 @@ from npu_autopatch.kernels import _reference
 
 torch_npu = types.ModuleType("torch_npu")
 torch_npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+torch_npu.__version__ = "2.14.0"  # a release with every requirement the kernels declare
 for name in dir(_reference):
     if name.startswith("npu_"):
         setattr(torch_npu, name, getattr(_reference, name))

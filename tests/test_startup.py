@@ -16,7 +16,7 @@ HEAVY = ("wrapt", "torch", "transformers", "logging", "typing", "dataclasses", "
 npu = sys.modules.get("npu_autopatch")
 print(json.dumps({
     "enabled": bool(npu and npu.is_enabled()),
-    "watchers": sum(type(f).__name__ == "_TransformersWatcher" for f in sys.meta_path),
+    "watchers": sum(type(f).__name__ == "TransformersWatcher" for f in sys.meta_path),
     "heavy": sorted(m for m in HEAVY if m in sys.modules),
 }))
 """
@@ -74,7 +74,7 @@ def test_a_pth_line_run_twice_boots_once():
         """
         import site, sys, sysconfig
         site.addsitedir(sysconfig.get_paths()["purelib"])
-        print(sum(type(f).__name__ == "_TransformersWatcher" for f in sys.meta_path))
+        print(sum(type(f).__name__ == "TransformersWatcher" for f in sys.meta_path))
         """,
         NPU_AUTOPATCH="1",
     )

@@ -62,6 +62,8 @@ def test_on_torch_npu_2_6_the_report_says_what_was_gated_and_why():
     )
     results = {r["model"]: r for r in report["results"]}
     assert results["qwen3_moe"]["status"] == "pass" and "moe" not in results["qwen3_moe"]["kernels"]
+    assert (results["qwen3_moe"]["state"], results["qwen3_moe"]["code"]) == ("partial", "kernel-unsupported")
+    assert (results["llama"]["state"], results["llama"]["code"]) == ("applied", None)
     assert not any(op.startswith("npu_moe") for op in results["qwen3_moe"]["ops_called"])
     assert report["rope_sweep"]["passed"] is True
 

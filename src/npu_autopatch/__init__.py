@@ -4,12 +4,12 @@ Each supported modeling module is patched the moment it is imported, per model, 
 nothing. Turn it on with NPU_AUTOPATCH=1, a cluster sitecustomize, or ``enable()``; see
 ``status()`` or ``python -m npu_autopatch status`` for what was patched and why not.
 
-Importing this package is cheap (no torch, transformers, wrapt or logging).
+Importing this package is cheap (no torch, transformers, wrapt, logging, typing, enum or
+dataclasses): the status vocabulary (``PatchRecord``, ``State``, ``ReasonCode``) and
+``PatchError`` are loaded on first use.
 """
 
-from ._control import disable, enable, is_enabled, status
-from ._errors import PatchError
-from ._registry import register
+from ._control import disable, enable, is_enabled, register, status, unregister
 from ._types import Kernel, Model, Target, Variant
 
 __version__ = "0.1.0"
@@ -17,6 +17,9 @@ __all__ = [
     "Kernel",
     "Model",
     "PatchError",
+    "PatchRecord",
+    "ReasonCode",
+    "State",
     "Target",
     "Variant",
     "disable",
@@ -24,4 +27,20 @@ __all__ = [
     "is_enabled",
     "register",
     "status",
+    "unregister",
 ]
+
+_RECORDS = ("PatchError", "PatchRecord", "ReasonCode", "State")
+
+
+def __getattr__(name):
+    if name in _RECORDS:
+        from . import _records
+
+        return getattr(_records, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._records import PatchError, PatchRecord, ReasonCode, State

@@ -17,8 +17,9 @@ import json
 import platform
 import sys
 
-from . import _control, _device, _plugins
-from ._records import FAILED, SKIPPED, PatchRecord
+from . import _control, _device
+from ._records import PatchRecord, ReasonCode, State
+from ._state import STATE
 from ._table import columns
 from .models import BUILTIN, MODELS
 
@@ -52,28 +53,40 @@ def environment(simulated: bool = False) -> dict:
 def _import_all() -> dict[str, PatchRecord]:
     """Import every supported modeling module with patching on; note the absent ones."""
     absent = {}
-    _plugins.discover()  # installed plugins are checked too
-    for model_type, model in list(MODELS.items()):
+    _control.discover_plugins()  # installed plugins are checked too
+    for model_type, model in list(STATE.models.items()):
         try:
             importlib.import_module(model.module)
         except ModuleNotFoundError as exc:
             if exc.name is not None and model.module.startswith(exc.name):
                 version = _version("transformers")
                 absent[model_type] = PatchRecord(
-                    model_type, model.module, SKIPPED, f"not present in transformers {version}"
+                    model_type,
+                    model.module,
+                    State.ABSENT,
+                    f"not present in transformers {version}",
+                    code=ReasonCode.MODULE_ABSENT,
                 )
             else:
-                absent[model_type] = PatchRecord(model_type, model.module, FAILED, f"import failed: {exc!r}")
+                absent[model_type] = _import_failed(model, exc)
         except Exception as exc:  # strict mode's PatchError, or a broken modeling module
-            absent[model_type] = PatchRecord(model_type, model.module, FAILED, f"import failed: {exc!r}")
+            absent[model_type] = _import_failed(model, exc)
     report = _control.status()
     report.update(absent)
     return report
 
 
+def _import_failed(model, exc) -> PatchRecord:
+    code = ReasonCode.INTERNAL_ERROR if type(exc).__name__ != "PatchError" else ReasonCode.IMPORT_FAILED
+    return PatchRecord(model.model_type, model.module, State.FAILED, f"import failed: {exc!r}", code=code)
+
+
 def format_table(report: dict[str, PatchRecord]) -> str:
-    rows = [("model", "state", "kernels", "reason")]
-    rows += [(r.model, r.state, ",".join(r.kernels) or "-", r.reason or "") for r in report.values()]
+    rows = [("model", "state", "code", "kernels", "reason")]
+    rows += [
+        (r.model, r.state.value, r.code.value if r.code else "-", ",".join(r.kernels) or "-", r.reason or "")
+        for r in report.values()
+    ]
     return columns(rows)
 
 
@@ -139,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "status":
+        _control.discover_plugins()  # so that installed plugins are listed before they are imported
         _print(environment(), _control.status(), args.json)
         return 0
 
@@ -154,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         report = _import_all()
         env = environment()
     _print(env, report, args.json)
-    return 1 if any(r.state == FAILED for r in report.values()) else 0
+    return 1 if any(r.state == State.FAILED for r in report.values()) else 0
 
 
 if __name__ == "__main__":

@@ -8,17 +8,16 @@ can be processed twice in one process, so boot() is idempotent.
 import os
 import sys
 
-_booted = False
-
 
 def boot(default: bool = False) -> None:
     """Enable patching if NPU_AUTOPATCH says so (``default`` when it is unset)."""
-    global _booted
-    if _booted:
-        return
-    _booted = True
     try:
         from . import _config, _control, _log
+        from ._state import STATE
+
+        if STATE.booted:
+            return
+        STATE.booted = True
 
         raw = os.environ.get(_config.ENV_SWITCH)
         switched_on = default if raw is None else _config.parse_bool(_config.ENV_SWITCH, raw, _log.warning)

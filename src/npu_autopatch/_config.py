@@ -8,7 +8,6 @@ Bad values passed to enable() raise ValueError, because that is a bug in the cal
 import os
 
 from ._types import KERNEL_NAMES
-from .models import MODELS
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -109,11 +108,11 @@ class Config:
         return hash(self._key())
 
     def wants(self, model_type):
-        """None if the model is selected, else why not."""
+        """None if the model is selected, else (reason code, why not)."""
         if model_type in self.exclude:
-            return "excluded by configuration"
+            return "excluded", "excluded by configuration"
         if self.models is not None and model_type not in self.models:
-            return "not in the selected models"
+            return "not-selected", "not in the selected models"
         return None
 
     def __repr__(self):
@@ -126,18 +125,20 @@ class Config:
         )
 
 
-def resolve(models, exclude, kernels, strict, force, warn, environ=None):
-    """Arguments override the environment; the environment overrides the defaults."""
+def requested_models(models, exclude, environ=None):
+    """Every model name the arguments and the environment mention (to look for plugins first)."""
     environ = os.environ if environ is None else environ
     requested = _split_names(f"{environ.get(ENV_MODELS, '')},{environ.get(ENV_EXCLUDE, '')}")
     for names in (models, exclude):
         if names is not None:
             requested += _split_names(names) if isinstance(names, str) else [str(n).lower() for n in names]
-    if not set(requested) <= set(MODELS):  # perhaps an installed plugin's model: look (rarely needed)
-        from ._plugins import discover
+    return set(requested)
 
-        discover()
-    valid_models = tuple(MODELS)
+
+def resolve(models, exclude, kernels, strict, force, warn, valid_models, environ=None):
+    """Arguments override the environment; the environment overrides the defaults."""
+    environ = os.environ if environ is None else environ
+    valid_models = tuple(valid_models)
     model_set = _arg_names(models, valid_models, "models", "models")
     if model_set is None:
         model_set = _env_names(environ, ENV_MODELS, valid_models, "models", warn)

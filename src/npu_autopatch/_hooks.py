@@ -1,68 +1,225 @@
-"""The wrapt post-import hooks, one per supported modeling module.
+"""How modeling modules reach the patcher: one mechanism, wrapt's post-import hooks.
 
-Imported only once transformers is being imported (wrapt pulls asyncio: ~70 ms).
+1. enable() (or the .pth line) puts only a stdlib finder in ``sys.meta_path``: the watcher
+   (_control.TransformersWatcher). It decides *when* this module and wrapt are imported
+   (~70 ms, asyncio included): when transformers' body runs (the first import of one of its
+   submodules), never on ``importlib.util.find_spec("transformers")``, which accelerate,
+   peft and trl call to test availability. After that it answers None to every name at the
+   cost of one attribute test.
+2. Arming registers one wrapt hook per modeling module of the registry, all of them first;
+   then the modules already imported are patched; then the collected strict errors are
+   raised (by the caller). A strict failure never leaves a later model without its hook.
+3. wrapt runs a hook right after the module body, holding that module's import lock, and
+   forgets it. Ours puts itself back, first in line, for the module's next execution
+   (``importlib.reload``, an import retried after a failure), so those are patched in
+   every order of enable(), ``import transformers`` and the modeling import. wrapt has no
+   public API for a hook that outlives its first call: we use its table
+   (``wrapt.importer._post_import_hooks``) under its lock; a wrapt without that table gets
+   the public one-shot hook, and status() then reports a re-executed module as stock.
+4. A module whose body another thread is running while we arm: wrapt's finder did not see
+   that import begin, so nothing would call the hooks. We are told when the import system
+   marks the spec done (``spec._initializing = False``, right after the body) and let wrapt
+   call them then, in that thread.
+5. trust_remote_code modules are loaded with ``spec_from_file_location`` + ``exec_module``,
+   which import hooks never see: while a remote-code model is registered (and only then),
+   ``transformers.dynamic_module_utils.get_class_in_module`` is wrapped to patch the module
+   it returns (again when transformers re-executes it); disable() puts it back.
 
-A hook runs right after the module body ran, while that module's import lock is held, and
-wrapt lets any exception escape into the importer, which then fails the user's import and
-drops the module from sys.modules. So the hook body is isolated
-(``_control.patch_imported``): only a PatchError in strict mode, which the user asked for,
-gets through. Normally the watcher's loader (_control) has patched the module already, and
-the hook does nothing; it is the fallback for an import the watcher was not asked about.
-
-What runs under that import lock, and why it cannot deadlock: patching waits only for the
-package lock and for the module locks of what it imports the first time it runs, namely
-our own modules (npu_autopatch._patcher, .kernels, .testing for the golden ops),
-torch_npu, transformers.activations and logging. A deadlock needs a thread that holds
-one of those module locks while it waits for the package lock, i.e. a module among them
-whose import imports a supported modeling module or calls enable()/status(); none does.
-Everything else they need (torch, transformers.activations, and on an NPU machine
-torch_npu, which transformers' import checks call) the modeling module's own body has
-already imported, under the same lock, before we run. Importing them earlier, when
-``import transformers`` arms the hooks, would not be safer and would cost a process that
-never builds a model the import of torch. Patching never starts or joins a thread, writes
-its log lines only after letting go of the package lock (see _log), and runs the probes
-on one intra-op thread (see _patcher).
-
-wrapt calls the hooks of one module in registration order and stops at the first that
-raises, failing the import. Our patch runs before any of them (from the loader), so a
-raising hook of another library fails an import we patched: status() then says
-``pending`` instead of ``applied`` (the module was dropped), and the next import of the
-module is patched again.
+Limits: wrapt calls a module's hooks in order and stops at the first that raises, failing
+the import; ours runs first, so another library's raising hook fails an import we patched
+(status() then says ``pending`` / ``import-failed``, and the retried import is patched).
+A finder placed in front of wrapt's later that loads modeling modules itself hides them
+from every post-import hook. What runs under a module's import lock, and why it cannot
+deadlock, is in _patcher.
 """
 
 import sys
 
-import wrapt
+from . import _log
+from ._state import STATE
 
-from . import _control, _remote
+REMOTE_PREFIX = "transformers_modules."
+DYNAMIC = "transformers.dynamic_module_utils"
 
-_registered = set()  # modules with a hook waiting in wrapt (wrapt drops a hook once it fired)
+
+def is_remote(model):
+    return model.module.startswith(REMOTE_PREFIX)
+
+
+def _patcher():
+    from . import _patcher  # torch comes with it: only once a modeling module is there to patch
+
+    return _patcher
+
+
+def arm_safely():
+    """arm() from an import: never fail the user's import; a failure is reported, not raised."""
+    try:
+        for error in arm():
+            _log.warning(f"strict mode: {error}")
+    except Exception as exc:
+        with _log.locked:
+            STATE.arm_error = f"{type(exc).__name__}: {exc}"
+        _log.warning(f"could not arm the import hooks, nothing will be patched: {exc!r}")
+
+
+def arm(models=None):
+    """Hook every (or the given) model's module, then patch those already imported.
+
+    Returns the strict-mode PatchErrors met while patching, for the caller to raise.
+    """
+    import wrapt.importer  # noqa: F401 - outside the lock: ~70 ms the first time
+
+    with _log.locked:
+        if not STATE.enabled:
+            return []
+        if models is None:
+            from ._plugins import discover
+
+            discover()
+            models = list(STATE.models.values())
+        remote = [m for m in STATE.models.values() if is_remote(m)]
+        for model in models:
+            if not is_remote(model):
+                _hook(model.module)
+        if remote:
+            _hook(DYNAMIC)
+        STATE.armed = True
+        STATE.arm_error = None
+        imported = _imported(models)
+        dynamic = sys.modules.get(DYNAMIC) if remote else None
+    if dynamic is not None:
+        wrap_remote(dynamic)
+    errors = []
+    for module in imported:
+        spec = getattr(module, "__spec__", None)
+        if getattr(spec, "_initializing", False):
+            _call_hooks_when_done(module)  # another thread is running its body right now
+            continue
+        errors += _patch(module)
+    return errors
+
+
+def _imported(models):
+    """The modules of ``models`` already in sys.modules (patterns matched against every name)."""
+    names = {m.module for m in models if not is_remote(m)}
+    patterns = [m for m in models if is_remote(m)]
+    if patterns:
+        names.update(n for n in list(sys.modules) if any(m.matches(n) for m in patterns))
+    return [sys.modules[n] for n in sorted(names) if sys.modules.get(n) is not None]
+
+
+def _patch(module):
+    from ._records import PatchError
+
+    try:
+        _patcher().patch_imported(module)
+    except PatchError as exc:
+        return [exc]
+    return []
+
+
+def _table():
+    """wrapt's pending-hook table and its lock, or None (see the module docstring, point 3)."""
+    importer = sys.modules["wrapt.importer"]
+    table = getattr(importer, "_post_import_hooks", None)
+    lock = getattr(importer, "_post_import_hooks_lock", None)
+    if not isinstance(table, dict) or lock is None:
+        return None
+    return importer, table, lock
+
+
+def _hook(name):
+    """Our hook first in wrapt's list for ``name``'s next execution (once), under wrapt's lock."""
+    found = _table()
+    if found is None:
+        if name not in STATE.hooked and name not in sys.modules:
+            STATE.hooked.add(name)
+            import wrapt
+
+            wrapt.register_post_import_hook(_on_import, name)
+        return
+    importer, table, lock = found
+    with lock:
+        if not importer._post_import_hooks_init:  # what register_post_import_hook does first
+            importer._post_import_hooks_init = True
+            sys.meta_path.insert(0, importer.ImportHookFinder())
+        pending = table.setdefault(name, [])
+        if _on_import not in pending:
+            pending.insert(0, _on_import)
+    STATE.hooked.add(name)
 
 
 def _on_import(module):
-    _registered.discard(getattr(module, "__name__", None))
-    if not _control.watched(module):
-        _control.patch_imported(module)
+    """The hook: wrapt calls it right after ``module``'s body ran."""
+    name = getattr(module, "__name__", None)
+    if _table() is not None:
+        _hook(name)  # first, so that an import failing after us is hooked when retried
+    else:
+        STATE.hooked.discard(name)
+    if name == DYNAMIC:
+        wrap_remote(module)
+    elif STATE.enabled:
+        _patcher().patch_imported(module)  # raises only strict mode's PatchError
 
 
-def arm(models):
-    """Patch the modules already imported; hook the others. Safe to call again."""
-    if "transformers.dynamic_module_utils" not in _registered:
-        _registered.add("transformers.dynamic_module_utils")
-        wrapt.register_post_import_hook(_remote.wrap, "transformers.dynamic_module_utils")
-    for model in models:
-        if _remote.is_remote(model):
-            for name, module in list(sys.modules.items()):
-                if _remote.matches(model, name):
-                    _control.patch_module(module)
-            continue
-        module = sys.modules.get(model.module)
-        if module is not None:
-            if getattr(getattr(module, "__spec__", None), "_initializing", False):
-                # Another thread is executing its body right now; patching a half-built module
-                # could fail spuriously. It is reported as pending; enable() again patches it.
-                continue
-            _control.patch_module(module)
-        elif model.module not in _registered:
-            _registered.add(model.module)
-            wrapt.register_post_import_hook(_on_import, model.module)
+def _call_hooks_when_done(module):
+    """Call wrapt's hooks for ``module`` when the import system marks its spec done."""
+    spec = module.__spec__
+    base = type(spec)
+    importer = sys.modules["wrapt.importer"]
+
+    def finished():
+        try:
+            if sys.modules.get(module.__name__) is module:  # the body did not fail
+                importer.notify_module_loaded(module)
+        except Exception as exc:  # inside the import system's finally: report, never raise
+            _log.warning(f"{module.__name__}: not patched after its import finished: {exc!r}")
+
+    class DoneSpec(base):
+        def __setattr__(self, name, value):
+            base.__setattr__(self, name, value)
+            if name == "_initializing" and not value and type(self) is DoneSpec:
+                self.__class__ = base
+                finished()
+
+    spec.__class__ = DoneSpec
+    if not getattr(spec, "_initializing", False) and type(spec) is DoneSpec:  # it ended meanwhile
+        spec.__class__ = base
+        finished()
+
+
+def wrap_remote(dynamic_module_utils):
+    """Wrap get_class_in_module while a remote-code model is registered; never raise."""
+    import functools  # not at interpreter start: it pulls in collections (~1 ms)
+
+    try:
+        with _log.locked:
+            if STATE.remote_wrapped is not None or not STATE.enabled:
+                return
+            if not any(is_remote(m) for m in STATE.models.values()):
+                return
+            original = dynamic_module_utils.get_class_in_module
+
+            @functools.wraps(original)
+            def get_class_in_module(*args, **kwargs):
+                cls = original(*args, **kwargs)
+                module = sys.modules.get(getattr(cls, "__module__", ""))
+                if module is not None and STATE.enabled:
+                    _patcher().patch_imported(module)
+                return cls
+
+            dynamic_module_utils.get_class_in_module = get_class_in_module
+            STATE.remote_wrapped = (dynamic_module_utils, original, get_class_in_module)
+    except Exception as exc:  # a post-import hook must not fail transformers' import
+        _log.warning(f"trust_remote_code models will not be patched: {exc!r}")
+
+
+def unwrap_remote():
+    """Put get_class_in_module back (unless another library wrapped it after us). Caller holds the lock."""
+    if STATE.remote_wrapped is None:
+        return
+    dynamic_module_utils, original, ours = STATE.remote_wrapped
+    STATE.remote_wrapped = None
+    if dynamic_module_utils.get_class_in_module is ours:
+        dynamic_module_utils.get_class_in_module = original

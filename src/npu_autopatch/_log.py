@@ -9,9 +9,9 @@ Hooks fire before torch.distributed is initialised, so the launcher's environmen
 variables decide the rank there; torch.distributed is asked only once it is initialised
 (and never imported by us).
 
-Nothing is written while the package lock is held (``defer``/``resume``): logging takes
-its own lock, and holding ours while waiting for it would order the two locks against
-logging's fork handler, which takes logging's lock before ours (a hang found by
+Nothing is written while the package lock is held (``locked``): logging takes its own
+lock, and holding ours while waiting for it would order the two locks against logging's
+fork handler, which takes logging's lock before ours (a hang found by
 tests/test_processes.py: a fork while another thread was patching).
 """
 
@@ -20,6 +20,7 @@ import os
 import sys
 
 from ._config import ENV_LOG_ALL_RANKS, TRUE_WORDS
+from ._state import STATE
 
 LOGGER_NAME = "npu_autopatch"
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -52,32 +53,33 @@ def _prefix():
     return "npu-autopatch: " if rank in (None, 0) else None
 
 
-_deferred = {}  # thread ident -> [depth, messages] while that thread holds the package lock
+class _Locked:
+    """``with locked:`` holds the package lock; what this thread logs meanwhile is written after."""
+
+    def __enter__(self):
+        STATE.lock.acquire()
+        STATE.deferred.setdefault(_thread.get_ident(), [0, []])[0] += 1
+
+    def __exit__(self, *exc_info):
+        me = _thread.get_ident()
+        messages = ()
+        try:
+            entry = STATE.deferred[me]
+            entry[0] -= 1
+            if not entry[0]:
+                del STATE.deferred[me]
+                messages = entry[1]
+        finally:
+            STATE.lock.release()
+        for level, message in messages:
+            _emit(level, message)
 
 
-def defer():
-    """Hold back this thread's messages until the matching resume() (nests)."""
-    _deferred.setdefault(_thread.get_ident(), [0, []])[0] += 1
-
-
-def resume():
-    """End one defer(); at the outermost, return the held-back messages for write()."""
-    me = _thread.get_ident()
-    entry = _deferred[me]
-    entry[0] -= 1
-    if entry[0]:
-        return ()
-    del _deferred[me]
-    return entry[1]
-
-
-def write(messages):
-    for level, message in messages:
-        _emit(level, message)
+locked = _Locked()
 
 
 def _emit(level, message):
-    entry = _deferred.get(_thread.get_ident())
+    entry = STATE.deferred.get(_thread.get_ident())
     if entry is not None:
         entry[1].append((level, message))
         return

@@ -1,305 +1,218 @@
-"""Per-model transactions over one ledger of replaced attributes.
+"""Per-model transactions: plan outside the lock, commit under it.
 
-A model's patch is all or nothing: every target is resolved, checked against its owner and
-probed against its kernel first (plan); only then are the attributes swapped (commit); if a
-swap fails, the swaps already made are undone (rollback). Nothing here ever raises into an
-importer, except a PatchError in strict mode, after the rollback.
+A model's patch is all or nothing over its selected targets:
 
-Ownership: two models may share one target object (in transformers 4.57, Qwen2.5-VL uses
-qwen2's ``Qwen2RMSNorm``). The ledger keys each replaced attribute by (owner object,
-attribute name) and records which models hold it. The first model swaps it in, later ones
-join, and the original comes back only when the last holder lets go, so ``exclude``,
-a failure of one model and ``disable()`` never pull a kernel from under another model.
+1. (lock) take the configuration and the generation of the current enable();
+2. (no lock) decide the device (``import torch_npu``, once per enable()), load a plugin's
+   targets, check each kernel's requirements (once per kernel per enable()), resolve every
+   target, check it is still the model's own code, probe it against its kernel on the CPU
+   reference ops and build the replacement;
+3. (lock) if no enable()/disable() came in between and the targets are what was planned on,
+   swap the attributes in through the ledger (a failing swap undoes those made), record.
 
-Callers (_control) hold the package lock around every function here.
+A target whose kernel the installed torch_npu cannot run, or whose probe disagrees, is left
+stock and named: the model is then ``partial`` (WARNING), which strict mode rejects
+(rolled back, PatchError). Nothing here raises into an importer but that PatchError.
+
+What runs under a module's import lock (the hook), and why it cannot deadlock: patching
+waits for the package lock only around the plan's start and the commit, and for the module
+locks of what it imports the first time: our own modules, torch_npu, transformers'
+activations and integrations, logging. A deadlock needs a thread holding one of those
+module locks while it waits for the package lock, i.e. a module among them whose import
+imports a modeling module or calls enable()/status(); none does. Patching never starts or
+joins a thread and writes its log lines after letting go of the package lock (_log).
 """
 
-import os
-import sys
-import types
+import contextlib
 
-from . import _device, _log
-from ._errors import PatchError
-from ._records import APPLIED, FAILED, OVERRIDDEN, PENDING, REVERTED, SKIPPED, PatchRecord
-from ._types import KERNEL_NAMES
+from . import _device, _experts, _ledger, _log
+from ._records import PatchError, PatchRecord, ReasonCode, State
+from ._state import STATE
+from ._types import KERNEL_NAMES, Kernel
 from .kernels import KERNELS, choose_variant
-
-
-class _Slot:
-    """One attribute we replaced, what it was, and which models rely on it."""
-
-    __slots__ = ("attr", "had_own", "holders", "original", "owner", "replacement", "where")
-
-    def __init__(self, owner, attr, original, replacement, had_own, where):
-        self.owner = owner  # kept alive so that id(owner) in the ledger key stays valid
-        self.attr = attr
-        self.original = original
-        self.replacement = replacement
-        self.had_own = had_own  # False: the class inherited it; restoring means deleting ours
-        self.holders = set()
-        self.where = where
-
-    def current(self):
-        return _current(self.owner, self.attr)
-
-
-_slots = {}  # (id(owner), attr) -> _Slot
-_held = {}  # model type -> ledger keys it holds
-_placed = {}  # model type -> (module object, ((path, key), ...)) it was applied to
-_records = {}  # model type -> PatchRecord of the last decision
-_device_decision = None  # (torch_npu module or None, reason or None), per enable()
 
 
 class _Failure(Exception):
     """A model cannot be patched; the message names the target and the cause."""
 
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = ReasonCode(code)
 
-class _Skip(Exception):
+
+class _Skip(_Failure):
     """A model is deliberately left stock; the message says why."""
 
 
-def _current(owner, attr):
-    if isinstance(owner, type):
-        return owner.__dict__.get(attr, getattr(owner, attr, None))
-    return getattr(owner, attr, None)
+class _Changed(Exception):
+    """A planned target changed before the commit; plan again."""
 
 
-def _where(module, owner, path):
-    """'module:qualname' of a target, naming the module that really defines the owner."""
-    if isinstance(owner, type):
-        return f"{owner.__module__}:{owner.__qualname__}.{path.rsplit('.', 1)[-1]}"
-    return f"{module.__name__}:{path}"
+def patch_imported(module):
+    """The hook's body: patch every model of ``module``; an internal error never fails the import.
 
-
-def _resolve(module, paths):
-    """(path, owner, attr, current, had_own) for the first path that exists, else None."""
-    for path in paths:
-        *owner_path, attr = path.split(".")
-        owner = module
+    Only strict mode's PatchError, which the user asked for, gets through (the first one,
+    after every model of the module had its turn).
+    """
+    name = getattr(module, "__name__", None)
+    errors = []
+    for model in [m for m in list(STATE.models.values()) if m.matches(name)]:
         try:
-            for name in owner_path:
-                owner = getattr(owner, name)
-            if isinstance(owner, type):
-                had_own = attr in owner.__dict__
-                current = owner.__dict__[attr] if had_own else getattr(owner, attr)
-            else:
-                had_own, current = True, getattr(owner, attr)
-        except AttributeError:
-            continue
-        return path, owner, attr, current, had_own
-    return None
+            apply(model, module)
+        except PatchError as exc:
+            errors.append(exc)
+        except Exception as exc:
+            with _log.locked:
+                _record(
+                    model, State.FAILED, ReasonCode.INTERNAL_ERROR, f"internal error, left stock: {exc!r}"
+                )
+            _log.warning(f"internal error while patching {model.model_type} in {name!r}, left stock: {exc!r}")
+    if errors:
+        raise errors[0]
 
 
-def _transformers_dir():
-    transformers = sys.modules.get("transformers")
-    path = getattr(transformers, "__file__", None)
-    return os.path.dirname(path) + os.sep if path else None
-
-
-def stock_function(obj):
-    """The plain function behind a target: itself, or the function a callable module wraps.
-
-    With the ``kernels`` package installed, transformers 5.x turns a function decorated
-    with ``use_kernel_forward_from_hub`` into an ``nn.Module`` instance whose ``forward``
-    calls the original function; so do not rely on ``inspect.isfunction``.
-    """
-    if type(obj) is types.FunctionType:
-        return obj
-    forward = getattr(type(obj), "forward", None)
-    for cell in getattr(forward, "__closure__", None) or ():
-        if type(cell.cell_contents) is types.FunctionType:
-            return cell.cell_contents
-    return None
-
-
-def foreign_holder(obj, module=None):
-    """None for the model's own code, else the name of whoever holds the target now.
-
-    Own code is transformers' (or, for a plugin's or a remote-code model, the module's own
-    file); anything defined elsewhere was put there by another library.
-    """
-    function = stock_function(obj)
-    if function is not None:
-        source = function.__code__.co_filename
-        home = _transformers_dir()
-        if (home and source.startswith(home)) or source == getattr(module, "__file__", None):
-            return None
-        return f"{function.__module__}.{function.__qualname__}"
-    kind = type(obj)
-    return f"{kind.__module__}.{kind.__qualname__} object"
-
-
-def _decide_device():
-    """torch_npu or None, decided once per enable() at the first hook, logged once."""
-    global _device_decision
-    if _device_decision is None:
-        _device_decision = _device.probe()
-        npu, reason = _device_decision
-        if npu is None:
-            _log.warning(f"NPU kernels not used, models run stock: {reason}")
-    return _device_decision
-
-
-def reset_device():
-    global _device_decision
-    _device_decision = None
-
-
-def describe(model, state, reason=None, kernels=(), targets=()):
-    return PatchRecord(model.model_type, model.module, state, reason, tuple(kernels), tuple(targets))
-
-
-def record(model, state, reason=None, kernels=(), targets=()):
-    rec = _records[model.model_type] = describe(model, state, reason, kernels, targets)
+def _record(model, state, code=None, reason=None, **fields):
+    rec = STATE.records[model.model_type] = PatchRecord(
+        model.model_type,
+        model.module,
+        state,
+        reason,
+        code=None if code is None else ReasonCode(code),
+        **fields,
+    )
     return rec
 
 
-def forget(model_type=None):
-    """Drop the decisions of a previous enable() (or of one model); call after reverting."""
-    if model_type is None:
-        _records.clear()
-    else:
-        _records.pop(model_type, None)
+def apply(model, module):
+    """Patch one model in an imported module; return its PatchRecord (None if a newer decision won).
 
-
-class _one_intra_op_thread:
-    """Run the probes on one intra-op thread, then put the user's thread count back.
-
-    The first parallel op of a process, however tiny, starts the OpenMP/MKL thread team,
-    and a child forked after that hangs in its first parallel op (an OpenMP limitation;
-    tests/test_processes.py). Without us, a process that only imports modeling modules has
-    computed nothing and is safe to fork (a tokenizer pool, data workers); our probes must
-    not change that. For the few milliseconds of the probes, torch ops of other threads run
-    on one thread too. torch's native thread pool (no OpenMP) is fork-safe and refuses a
-    new count once used, so it is left alone.
+    Raises PatchError only in strict mode, after rolling the model back.
     """
-
-    def __enter__(self):
-        import torch  # already imported: the modeling module imported it
-
-        self._torch = torch
-        self._threads = torch.get_num_threads() if getattr(torch._C, "has_openmp", False) else 1
-        if self._threads != 1:
-            torch.set_num_threads(1)
-
-    def __exit__(self, *exc_info):
-        if self._threads != 1:
-            self._torch.set_num_threads(self._threads)
-
-
-def _plan(model, module, config, npu):
-    """Resolve, check and probe every target; swap nothing. Returns (steps, notes)."""
-    steps, notes = [], []
-    for target in model.targets:
-        if config.kernels is not None and target.kernel_name not in config.kernels:
-            continue
-        found = _resolve(module, target.paths)
-        if found is None:
-            raise _Failure(
-                f"target {' or '.join(target.paths)} not found in {module.__name__} "
-                "(renamed or removed in this transformers version?)"
-            )
-        path, owner, attr, current, had_own = found
-        where = _where(module, owner, path)
-        key = (id(owner), attr)
-        slot = _slots.get(key)
-        if slot is not None and current is slot.replacement:
-            steps.append((key, slot, target.kernel_name, path))  # another model put our kernel here
-            continue
-        holder = foreign_holder(current, module)
-        if holder is not None and not config.force:
-            raise _Skip(f"{where} is already replaced by {holder}; pass force=True to replace it anyway")
-        kernel = KERNELS.get(target.kernel) or target.kernel  # a built-in name, or a plugin's Kernel
-        missing = [op for op in kernel.ops if not hasattr(npu, op)]
-        if missing:
-            raise _Failure(
-                f"torch_npu has no {', '.join(missing)} (needed by {kernel.name}; torch_npu too old?)"
-            )
-        stock = stock_function(current) or current  # what the kernel must reproduce
+    for _attempt in range(3):
+        with _log.locked:
+            if not STATE.enabled:
+                return None
+            generation, config = STATE.generation, STATE.config
+            if model.model_type in STATE.held and _ledger.moved(model.model_type, module) is None:
+                return STATE.records[model.model_type]  # the hook and enable() may both get here
+            unwanted = config.wants(model.model_type)
+            if unwanted is not None:
+                return _record(model, State.SKIPPED, *unwanted)
         try:
-            variant, mismatch = choose_variant(kernel, stock)
-        except Exception as exc:
-            raise _Failure(
-                f"kernel {kernel.name} raised while checking {where}: {type(exc).__name__}: {exc}"
-            ) from exc
-        if variant is None:
-            notes.append(f"{kernel.name} not applied to {where}: {mismatch}")
-            continue
-        try:
-            replacement = variant.build(stock, npu, _ignore_error)
-        except Exception as exc:
-            raise _Failure(
-                f"kernel {kernel.name} raised while building for {where}: {type(exc).__name__}: {exc}"
-            ) from exc
-        steps.append((key, _Slot(owner, attr, current, replacement, had_own, where), kernel.name, path))
-    return steps, notes
+            plan = _plan(model, module, config, generation)
+        except _Failure as failure:
+            plan = failure
+        with _log.locked:
+            if STATE.generation != generation or not STATE.enabled:
+                return None  # enable()/disable() came in between: their decision holds
+            if model.model_type in STATE.held and _ledger.moved(model.model_type, module) is None:
+                return STATE.records[model.model_type]  # another thread committed meanwhile
+            try:
+                rec = _conclude(model, module, config, plan)
+            except _Changed:
+                continue
+        if config.strict and rec.state not in (State.APPLIED, State.PENDING):
+            raise PatchError(f"npu_autopatch strict mode: {rec.model} {rec.state.value}: {rec.reason}")
+        return rec
+    raise RuntimeError(f"{model.model_type}: its targets kept changing while being checked")
 
 
-def _ignore_error(exc, *tensors):
-    """Placeholder on_error until the patcher demotes a target whose fused op raised (#9, #10)."""
-
-
-def _release(key, model_type):
-    """Drop one holder; restore the original when nobody holds the slot any more.
-
-    If another library replaced our kernel in the meantime, its object stays in place.
-    """
-    slot = _slots.get(key)
-    if slot is None:
-        return
-    slot.holders.discard(model_type)
-    if slot.holders:
-        return
-    del _slots[key]
-    if slot.current() is not slot.replacement:
-        return
-    if slot.had_own:
-        setattr(slot.owner, slot.attr, slot.original)
-    else:
-        delattr(slot.owner, slot.attr)
-
-
-def _commit(model_type, module, steps):
-    """Swap every planned target in; on any error undo the swaps made so far and re-raise."""
-    done = []
+def _conclude(model, module, config, plan):
+    """Commit the plan (or record why not). Caller holds the lock."""
+    if isinstance(plan, _Failure):
+        state = State.SKIPPED if isinstance(plan, _Skip) else State.FAILED
+        verb = "skipped" if state is State.SKIPPED else "failed, left stock"
+        if plan.code is not ReasonCode.NO_NPU:  # that one was said once, for every model
+            _log.warning(f"{model.model_type}: {verb}: {plan}")
+        return _record(model, state, plan.code, str(plan))
+    steps, placed, stock = plan
+    for key, slot in steps:
+        held = STATE.slots.get(key)
+        now = _ledger.current(slot.owner, slot.attr)
+        if now is not slot.seen and not (held is not None and now is held.replacement):
+            raise _Changed
+    stock_codes = {where: ReasonCode(code) for where, (code, _text) in stock.items()}
+    stock_text = "; ".join(text for _code, text in stock.values())
+    first_code = next(iter(stock_codes.values()), None)
+    if not steps:
+        text = "no selected target could take its kernel: " + stock_text
+        _log.warning(f"{model.model_type}: skipped: {text}")
+        return _record(model, State.SKIPPED, first_code, text, stock=stock_codes)
+    if stock and config.strict:  # never committed: status() says stock, the caller raises
+        _log.warning(f"{model.model_type}: partial, so strict mode left it stock: {stock_text}")
+        _record(
+            model,
+            State.SKIPPED,
+            first_code,
+            "strict mode refused a partial patch: " + stock_text,
+            stock=stock_codes,
+        )
+        return PatchRecord(
+            model.model_type, model.module, State.PARTIAL, stock_text, code=first_code, stock=stock_codes
+        )
     try:
-        for key, slot, _kernel, _path in steps:
-            if key not in _slots:
-                setattr(slot.owner, slot.attr, slot.replacement)
-                _slots[key] = slot
-                if slot.current() is not slot.replacement:  # e.g. a metaclass that rewrites attributes
-                    slot.holders.add(model_type)
-                    done.append(key)
-                    raise _Failure(f"{slot.where} did not keep the replacement after setattr")
-            slot.holders.add(model_type)
-            done.append(key)
-    except BaseException:
-        for key in reversed(done):
-            _release(key, model_type)
-        raise
-    _held[model_type] = done
-    _placed[model_type] = (module, tuple((path, key) for key, _slot, _kernel, path in steps))
+        _ledger.commit(model.model_type, module, steps, placed)
+    except Exception as exc:
+        cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _ledger.SwapRefused) else str(exc)
+        _log.warning(f"{model.model_type}: failed, left stock: {cause}")
+        return _record(model, State.FAILED, ReasonCode.SWAP_FAILED, cause)
+    rec = _applied_record(model, stock_codes, stock_text)
+    if stock:
+        listed = ", ".join(f"{where} ({code.value})" for where, code in stock_codes.items())
+        _log.warning(
+            f"{model.model_type}: partial: applied {', '.join(rec.kernels)} to {len(rec.targets)} targets; "
+            f"left stock: {listed}: {stock_text}"
+        )
+    else:
+        _log.info(f"{model.model_type}: applied {', '.join(rec.kernels)} to {len(rec.targets)} targets")
+    return rec
 
 
-def _moved(model_type, module):
-    """None while the model's kernels sit on what ``module`` holds now, else why not.
+def _applied_record(model, stock_codes, stock_text):
+    """The record of what the model holds now (after a commit or a demotion). Caller holds the lock."""
+    slots = [STATE.slots[key] for key in STATE.held.get(model.model_type, ()) if key in STATE.slots]
+    latest = {key for _path, key in STATE.placed[model.model_type][1]}
+    mine = [s for s in slots if s.kernel is not None and (id(s.owner), s.attr) in latest]
+    used = {s.kernel for s in mine}
+    kernels = tuple(k for k in (*KERNEL_NAMES, *sorted(used - set(KERNEL_NAMES))) if k in used)
+    return _record(
+        model,
+        State.PARTIAL if stock_codes else State.APPLIED,
+        next(iter(stock_codes.values()), None),
+        stock_text or None,
+        kernels=kernels,
+        targets=tuple(s.where for s in mine),
+        variants={s.where: s.variant for s in mine if s.variant},
+        stock=dict(stock_codes),
+    )
 
-    A module whose body ran again (``importlib.reload``, or an import retried after it
-    failed) holds new, stock classes and functions; our kernels sit on the old ones.
-    """
-    placed_module, placed = _placed[model_type]
-    if module is None:
-        return "gone"
-    if module is not placed_module:
-        return f"{module.__name__} was imported again after it was patched; its new objects run stock"
-    for path, key in placed:
-        found = _resolve(module, (path,))
-        if found is None or (id(found[1]), found[2]) != key:
-            return f"{module.__name__} was executed again after it was patched; its new objects run stock"
-        slot = _slots[key]
-        if found[3] is not slot.replacement and foreign_holder(found[3], module) is None:
-            return f"{slot.where} holds transformers' own code again (module executed again?)"
-    return None
+
+def _decide_device(generation):
+    """(torch_npu module or None, reason), decided once per enable(), outside the lock, logged once."""
+    decision = STATE.device
+    if decision is not None and decision[0] == generation:
+        return decision[1], decision[2]
+    npu, reason = _device.probe()
+    with _log.locked:
+        if STATE.generation == generation and (STATE.device is None or STATE.device[0] != generation):
+            STATE.device = (generation, npu, reason)
+            if npu is None:
+                _log.warning(f"NPU kernels not used, models run stock: {reason}")
+    return npu, reason
+
+
+def _requirement(obj, npu):
+    """``obj.requires(npu)`` (a Kernel's or a Variant's), asked once per enable()."""
+    requires = getattr(obj, "requires", None)
+    if requires is None:
+        return None
+    key = id(obj)
+    if key not in STATE.requirements:
+        try:
+            STATE.requirements[key] = requires(npu)
+        except Exception as exc:
+            STATE.requirements[key] = f"its requirement check raised {type(exc).__name__}: {exc}"
+    return STATE.requirements[key]
 
 
 def _load_plugin(model):
@@ -307,101 +220,181 @@ def _load_plugin(model):
     try:
         return tuple(model.load(model))
     except Exception as exc:
-        raise _Failure(f"{model.load.source} failed to load: {type(exc).__name__}: {exc}") from exc
+        raise _Failure(
+            "plugin-error", f"{model.load.source} failed to load: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
-def apply(model, module, config):
-    """Patch one model in an imported module; return its PatchRecord.
+def _on_error(model_type, key, built):
+    """Contract C1: the on_error a replacement calls when its fused op raised (never raises)."""
 
-    Raises PatchError only in strict mode, after rolling the model back.
-    """
-    if model.model_type in _held:
-        if _moved(model.model_type, module) is None:
-            return _records[model.model_type]  # the hook and enable() may both get here
-        # The module body ran again: let go of (and restore) its earlier objects, patch the new.
-        revert(model.model_type)
-    reason = config.wants(model.model_type)
-    if reason is not None:
-        return record(model, SKIPPED, reason)
-    npu, reason = _decide_device()
-    if npu is None:
-        rec = record(model, SKIPPED, reason)
-        return _strict_check(config, rec)
-    try:
-        if model.load is not None and not model.targets:
-            model.targets = _load_plugin(model)
-        with _one_intra_op_thread():
-            steps, notes = _plan(model, module, config, npu)
-        if not steps:
-            raise _Skip("no target matches its kernel's math: " + "; ".join(notes or ["no kernel selected"]))
-        _commit(model.model_type, module, steps)
-    except _Skip as skip:
-        rec = record(model, SKIPPED, str(skip))
-        _log.warning(f"{model.model_type}: skipped: {skip}")
-        return _strict_check(config, rec)
-    except Exception as exc:
-        cause = str(exc) if isinstance(exc, _Failure) else f"{type(exc).__name__}: {exc}"
-        rec = record(model, FAILED, cause)
-        _log.warning(f"{model.model_type}: failed, left stock: {cause}")
-        return _strict_check(config, rec)
-    used = {kernel for _key, _slot, kernel, _path in steps if kernel is not None}
-    kernels = [k for k in (*KERNEL_NAMES, *sorted(used - set(KERNEL_NAMES))) if k in used]
-    targets = [slot.where for _key, slot, _kernel, _path in steps]
-    rec = record(model, APPLIED, "; ".join(notes) or None, kernels, targets)
-    _log.info(f"{model.model_type}: applied {', '.join(kernels)} to {len(targets)} targets")
-    return rec
+    def on_error(exc, *tensors):
+        try:
+            _demote(key, built, exc, tensors)
+        except Exception as internal:  # the user's forward goes on with the stock result
+            _log.warning(f"{model_type}: could not put the stock code back after {exc!r}: {internal!r}")
+
+    return on_error
 
 
-def _strict_check(config, rec):
-    if config.strict:
-        raise PatchError(f"npu_autopatch strict mode: {rec.model} {rec.state}: {rec.reason}")
-    return rec
+def _describe(tensors):
+    shown = [f"{tuple(t.shape)} {t.dtype}" for t in tensors if hasattr(t, "shape") and hasattr(t, "dtype")]
+    return ", ".join(shown) or "no tensors"
 
 
-def revert(model_type):
-    """Take one model's kernels out again (other holders of a shared target keep it)."""
-    _placed.pop(model_type, None)
-    for key in _held.pop(model_type, ()):
-        _release(key, model_type)
-    rec = _records.get(model_type)
-    if rec is not None and rec.state == APPLIED:
-        _records[model_type] = PatchRecord(
-            rec.model, rec.module, REVERTED, "disable() restored the originals", rec.kernels, rec.targets
+def _demote(key, built, exc, tensors):
+    """Put the stock object back for the rest of the process; record and log it once."""
+    with _log.locked:
+        slot = STATE.slots.get(key)
+        if slot is None or not built or slot.replacement is not built[0]:
+            return  # another call demoted it first (or disable() came)
+        del STATE.slots[key]
+        if slot.current() is slot.replacement:
+            if slot.had_own:
+                _ledger._put(slot.owner, slot.attr, slot.original)
+            else:
+                _ledger._remove(slot.owner, slot.attr)
+        cause = f"{type(exc).__name__}: {exc}"
+        text = (
+            f"{slot.kernel} taken out of {slot.where}: its fused op raised on {_describe(tensors)}: {cause}"
         )
+        for model_type in sorted(slot.holders):
+            held = STATE.held.get(model_type, [])
+            if key in held:
+                held.remove(key)
+            old = STATE.records.get(model_type)
+            model = STATE.models.get(model_type)
+            if old is None or model is None or model_type not in STATE.placed:
+                continue
+            stock = {**old.stock, slot.where: ReasonCode.OP_FAILED}
+            reason = "; ".join(r for r in (old.reason, text) if r)
+            rec = _applied_record(model, stock, reason)
+            STATE.records[model_type] = PatchRecord(
+                rec.model,
+                rec.module,
+                State.PARTIAL,
+                reason,
+                rec.kernels,
+                rec.targets,
+                ReasonCode.OP_FAILED,
+                rec.variants,
+                stock,
+            )
+        models = ", ".join(sorted(slot.holders))
+    _log.warning(f"{models}: {text}; that target runs stock from now on")
+
+
+def _plan(model, module, config, generation):
+    """Resolve, check, probe and build every selected target; swap nothing.
+
+    Returns (steps, placed paths, {target: (code, text)} left stock); raises _Failure/_Skip.
+    """
+    npu, reason = _decide_device(generation)
+    if npu is None:
+        raise _Skip("no-npu", reason)
+    targets = model.targets
+    if model.load is not None and not targets:
+        targets = model.targets = _load_plugin(model)
+    steps, placed, stock = [], [], {}
+    selected = [t for t in targets if config.kernels is None or t.kernel_name in config.kernels]
+    if not selected:
+        raise _Skip("no-kernel-selected", "none of its kernels is selected")
+    for target in selected:
+        found = _ledger.resolve(module, target.paths)
+        if found is None:
+            raise _Failure(
+                "target-missing",
+                f"target {' or '.join(target.paths)} not found in {module.__name__} "
+                "(renamed or removed in this transformers version?)",
+            )
+        path, owner, attr, current, had_own = found
+        where = _ledger.where(module, owner, path)
+        key = (id(owner), attr)
+        slot = STATE.slots.get(key)
+        if slot is not None and current is slot.replacement:  # another model put our kernel here
+            steps.append((key, slot))
+            placed.append((path, key))
+            continue
+        holder = _ledger.foreign_holder(current, module)
+        if holder is not None and not config.force:
+            raise _Skip(
+                "foreign-patch",
+                f"{where} is already replaced by {holder}; pass force=True to replace it anyway",
+            )
+        kernel = KERNELS.get(target.kernel) or target.kernel  # a built-in name, or a plugin's Kernel
+        missing = [op for op in kernel.ops if not hasattr(npu, op)]
+        if missing:
+            raise _Failure(
+                "op-missing",
+                f"torch_npu has no {', '.join(missing)} (needed by {kernel.name}; torch_npu too old?)",
+            )
+        unsupported = _requirement(kernel, npu)
+        allowed = [v for v in kernel.variants if _requirement(v, npu) is None]
+        if unsupported is None and not allowed:
+            unsupported = "; ".join(f"{v.name}: {_requirement(v, npu)}" for v in kernel.variants)
+        if unsupported is not None:
+            stock[where] = ("kernel-unsupported", f"{kernel.name} not applied to {where}: {unsupported}")
+            continue
+        refused = [v for v in kernel.variants if v not in allowed]
+        kernel_now = Kernel(kernel.name, kernel.ops, allowed) if refused else kernel
+        stock_code = _ledger.stock_function(current) or current  # what the kernel must reproduce
+        try:
+            variant, mismatch = choose_variant(kernel_now, stock_code)
+            # A refused variant that would reproduce the target: the torch_npu is the reason.
+            wanted = (
+                choose_variant(Kernel(kernel.name, kernel.ops, refused), stock_code)[0] if refused else None
+            )
+        except Exception as exc:
+            raise _Failure(
+                "probe-error",
+                f"kernel {kernel.name} raised while checking {where}: {type(exc).__name__}: {exc}",
+            ) from exc
+        if variant is None and wanted is not None:
+            why = f"its {wanted.name} variant needs a newer torch_npu: {_requirement(wanted, npu)}"
+            stock[where] = ("kernel-unsupported", f"{kernel.name} not applied to {where}: {why}")
+            continue
+        if variant is None:
+            stock[where] = ("math-differs", f"{kernel.name} not applied to {where}: {mismatch}")
+            continue
+        interface = _experts.interface_of(current)
+        built = []
+        on_error = _on_error(
+            model.model_type, key if interface is None else (id(owner), _experts.ATTR), built
+        )
+        try:
+            fallback = _experts.fallback(current) if interface is not None else stock_code
+            replacement = variant.build(fallback, npu, on_error)
+        except Exception as exc:
+            raise _Failure(
+                "build-error",
+                f"kernel {kernel.name} raised while building for {where}: {type(exc).__name__}: {exc}",
+            ) from exc
+        built.append(replacement)
+        with contextlib.suppress(AttributeError, TypeError):  # a plugin's callable may refuse it
+            replacement.__wrapped__ = current  # what it replaces, as functools.wraps would say
+        if interface is not None:
+            more, more_placed = _experts.slots(
+                model.model_type,
+                module,
+                owner,
+                path,
+                current,
+                interface,
+                kernel.name,
+                variant.name,
+                replacement,
+            )
+            steps += more
+            placed += more_placed
+            continue
+        steps.append(
+            (key, _ledger.Slot(owner, attr, current, replacement, had_own, where, kernel.name, variant.name))
+        )
+        placed.append((path, key))
+    return steps, placed, stock
 
 
 def revert_all():
-    for model_type in list(_held):
-        revert(model_type)
-    reset_device()
-
-
-def live_record(model_type):
-    """The record, downgraded when what it claims no longer holds.
-
-    'overridden' if another library replaced one of our targets, or the module body ran
-    again without being patched; 'pending' if the import failed after we patched it.
-    """
-    rec = _records.get(model_type)
-    if rec is None or rec.state != APPLIED:
-        return rec
-
-    def downgraded(state, reason):
-        return PatchRecord(rec.model, rec.module, state, reason, rec.kernels, rec.targets)
-
-    patched_module = _placed[model_type][0]  # rec.module may be a pattern (trust_remote_code)
-    moved = _moved(model_type, sys.modules.get(patched_module.__name__))
-    if moved == "gone":
-        return downgraded(
-            PENDING,
-            f"the import of {rec.module} failed after it was patched (did another library's "
-            "post-import hook raise?); it is patched when imported again",
-        )
-    if moved is not None:
-        return downgraded(OVERRIDDEN, moved)
-    for key in _held.get(model_type, ()):
-        slot = _slots[key]
-        now = slot.current()
-        if now is not slot.replacement:
-            return downgraded(OVERRIDDEN, f"{slot.where} was replaced after us by {foreign_holder(now)}")
-    return rec
+    """Take every model's kernels out (disable(), or a new selection). Caller holds the lock."""
+    for model_type in list(STATE.held):
+        _ledger.release_all(model_type)

@@ -6,45 +6,41 @@ module (default ``transformers.models.<type>.modeling_<type>``); its value names
 metadata: a plugin's own code is imported when its target module is imported, never at
 interpreter start. A plugin that fails to load is that one model failing.
 
-Discovery happens when the hooks are armed (transformers is imported), when status() is
-asked, and when a configuration names a model nobody has heard of yet.
+Discovery happens when the hooks are armed (transformers is imported), when a
+configuration names a model nobody has heard of yet, and in the CLI; never in status(),
+which must stay cheap (reading every distribution's metadata costs tens of milliseconds).
 """
 
-import importlib.metadata
-
 from . import _log
+from ._state import STATE
 from ._types import Model
-from .models import MODELS
 
 GROUP = "npu_autopatch.patches"
-_discovered = False
-
-
-def _entry_points():
-    return importlib.metadata.entry_points(group=GROUP)
 
 
 def discover():
-    """Add a placeholder Model for every installed plugin (once per process)."""
-    global _discovered
-    if _discovered:
+    """Add a placeholder Model for every installed plugin (once per process). Caller holds the lock."""
+    if STATE.plugins_discovered:
         return
-    _discovered = True
+    STATE.plugins_discovered = True
+    registry = STATE.models
     try:
-        entry_points = list(_entry_points())
+        import importlib.metadata
+
+        entry_points = list(importlib.metadata.entry_points(group=GROUP))
     except Exception as exc:  # a broken metadata directory must not stop anything else
         _log.warning(f"could not read the {GROUP} entry points: {exc!r}")
         return
     for entry_point in entry_points:
         model_type, _, module = entry_point.name.partition("@")
-        if model_type in MODELS:
-            owner = "built in" if MODELS[model_type].load is None else "declared by another plugin"
+        if model_type in registry:
+            owner = "built in" if registry[model_type].load is None else "declared by another plugin"
             _log.warning(
                 f"plugin entry point {entry_point.name} = {entry_point.value} ignored: "
                 f"{model_type} is {owner} (use npu_autopatch.register(..., replace=True) to override)"
             )
             continue
-        MODELS[model_type] = Model(model_type, module=module or None, load=_loader(entry_point))
+        registry[model_type] = Model(model_type, module=module or None, load=_loader(entry_point))
 
 
 def _loader(entry_point):

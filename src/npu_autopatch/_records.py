@@ -1,32 +1,231 @@
-"""What status() reports for one model."""
+"""What status() reports: the states, the reason codes, one PatchRecord per model, and PatchError.
 
-from dataclasses import dataclass
+Public and typed (``npu_autopatch.PatchRecord``, ``State``, ``ReasonCode``). Imported only when
+status() is asked or a model is patched, never at interpreter start (dataclasses and enum
+cost ~10 ms each).
+"""
 
-PENDING = "pending"  # selected; its modeling module has not been imported yet
-APPLIED = "applied"  # every planned target holds our kernel
-SKIPPED = "skipped"  # deliberately left stock (not selected, no NPU, foreign patch, math differs)
-FAILED = "failed"  # something went wrong; the model was rolled back and runs stock
-REVERTED = "reverted"  # was applied, then disable() restored the originals
-OVERRIDDEN = "overridden"  # was applied, then another library replaced one of our targets
+from __future__ import annotations
+
+import enum
+import os
+import sys
+from dataclasses import dataclass, field, replace
+
+from . import _ledger
+from ._experts import explicit_note
+from ._state import STATE
+
+
+class State(str, enum.Enum):
+    """The state of one model type in this process. A ``str``: ``record.state == "applied"`` works."""
+
+    OFF = "off"  # patching is not enabled in this process
+    PENDING = "pending"  # enabled and selected; its modeling module has not been imported (again) yet
+    ABSENT = "absent"  # its modeling module does not exist in the installed transformers
+    APPLIED = "applied"  # every selected target holds our kernel
+    PARTIAL = "partial"  # some selected targets hold our kernel, the others (in ``stock``) run stock
+    SKIPPED = "skipped"  # deliberately stock: not selected, excluded, no NPU, foreign patch, ...
+    FAILED = "failed"  # an error; the model was rolled back and runs stock
+    REVERTED = "reverted"  # was patched, then disable() put the originals back
+    OVERRIDDEN = "overridden"  # was patched, then another library replaced a target, or the module ran again
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __reduce_ex__(
+        self, protocol
+    ):  # crosses process boundaries as a plain str: the receiver needs no npu_autopatch
+        return str, (self.value,)
+
+
+class ReasonCode(str, enum.Enum):
+    """Why a model (or one of its targets) is not simply applied: the machine-readable half of a reason."""
+
+    NOT_ENABLED = "not-enabled"  # off
+    WAITING_FOR_IMPORT = "waiting-for-import"  # pending
+    IMPORT_FAILED = "import-failed"  # pending: its import raised after we patched it; patched on the next
+    MODULE_ABSENT = "module-absent"  # absent
+    NOT_SELECTED = "not-selected"  # skipped: not in models=
+    EXCLUDED = "excluded"  # skipped: in exclude=
+    NO_KERNEL_SELECTED = "no-kernel-selected"  # skipped: kernels= selects none of its targets
+    NO_NPU = "no-npu"  # skipped: torch_npu does not import, or no NPU is visible
+    FOREIGN_PATCH = "foreign-patch"  # skipped: another library replaced a target before us (force=True)
+    KERNEL_UNSUPPORTED = "kernel-unsupported"  # partial/skipped: the installed torch_npu cannot run it
+    MATH_DIFFERS = "math-differs"  # partial/skipped: the probe found the kernel does not reproduce stock
+    OP_FAILED = "op-failed"  # partial: a fused op raised at run time; that target runs stock from then on
+    TARGET_MISSING = "target-missing"  # failed: renamed or removed in this transformers
+    OP_MISSING = "op-missing"  # failed: torch_npu lacks an op the kernel needs
+    PROBE_ERROR = "probe-error"  # failed: the kernel raised while being checked
+    BUILD_ERROR = "build-error"  # failed: the kernel raised while being built
+    SWAP_FAILED = "swap-failed"  # failed: an attribute refused the replacement
+    PLUGIN_ERROR = "plugin-error"  # failed: an entry-point plugin did not load
+    HOOKS_FAILED = "hooks-failed"  # failed: the import hooks could not be armed
+    INTERNAL_ERROR = "internal-error"  # failed: a bug of ours; the model runs stock
+    DISABLED = "disabled"  # reverted
+    REPLACED_AFTER_US = "replaced-after-us"  # overridden: another library's object now holds a target
+    MODULE_REEXECUTED = "module-reexecuted"  # overridden: the module ran again and its new objects run stock
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __reduce_ex__(self, protocol):
+        return str, (self.value,)
 
 
 @dataclass(frozen=True)
 class PatchRecord:
-    """The state of one model type, with the reason whenever it is not simply applied."""
+    """The state of one model type, with the reason (and its code) whenever it is not simply applied.
+
+    ``targets`` are the replaced attributes as ``"module:qualname"``; ``variants`` maps each to
+    the kernel variant chosen for it; ``stock`` maps each selected target left stock to its
+    code; ``shared`` maps targets of this model's module that run a kernel held by other
+    models (a class two models share) to those models, whatever this model's own state.
+    """
 
     model: str
     module: str
-    state: str
+    state: State
     reason: str | None = None
     kernels: tuple[str, ...] = ()
-    targets: tuple[str, ...] = ()  # what was replaced, as "module:qualname"
+    targets: tuple[str, ...] = ()
+    code: ReasonCode | None = None
+    variants: dict[str, str] = field(default_factory=dict)
+    stock: dict[str, ReasonCode] = field(default_factory=dict)
+    shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
+        """Plain JSON-ready data."""
         return {
             "model": self.model,
             "module": self.module,
-            "state": self.state,
+            "state": self.state.value,
+            "code": None if self.code is None else self.code.value,
             "reason": self.reason,
             "kernels": list(self.kernels),
             "targets": list(self.targets),
+            "variants": dict(self.variants),
+            "stock": {target: code.value for target, code in self.stock.items()},
+            "shared": {target: list(holders) for target, holders in self.shared.items()},
         }
+
+
+class PatchError(Exception):
+    """Strict mode: a selected model did not end ``applied``. The model has been rolled back.
+
+    Deliberately neither an ImportError nor a RuntimeError: transformers' lazy modules turn
+    those into ``ModuleNotFoundError("Could not import module ...")``, and a common ``except
+    ImportError:`` fallback would swallow it. So ``from transformers import Qwen3ForCausalLM``
+    raises this very exception.
+    """
+
+
+# --- status(): every model's record as things stand now (the caller holds the lock) -------
+
+
+def report():
+    roots = _transformers_roots()
+    return {model_type: _live(model, roots) for model_type, model in list(STATE.models.items())}
+
+
+def _live(model, roots):
+    """The record of ``model`` as things stand now (caller holds the lock)."""
+    model_type = model.model_type
+    rec = STATE.records.get(model_type)
+    if rec is None:
+        unwanted = STATE.config.wants(model_type) if STATE.config is not None and STATE.enabled else None
+        if not STATE.enabled:
+            state, code, reason = State.OFF, "not-enabled", "patching is not enabled"
+        elif STATE.arm_error is not None:
+            state, code, reason = (
+                State.FAILED,
+                "hooks-failed",
+                f"the import hooks could not be armed: {STATE.arm_error}",
+            )
+        elif unwanted is not None:
+            state, (code, reason) = State.SKIPPED, unwanted
+        elif _absent(model, roots):
+            state, code, reason = (
+                State.ABSENT,
+                "module-absent",
+                f"{model.module} is not in the installed transformers",
+            )
+        else:
+            state, code, reason = (
+                State.PENDING,
+                "waiting-for-import",
+                f"waiting for the import of {model.module}",
+            )
+        rec = PatchRecord(model_type, model.module, state, reason, code=ReasonCode(code))
+    elif rec.state in (State.APPLIED, State.PARTIAL) and model_type in STATE.placed:
+        rec = _downgraded(rec, model_type) or rec
+        note = explicit_note(model_type)
+        if note and rec.state in (State.APPLIED, State.PARTIAL):
+            rec = _with(rec, reason="; ".join(r for r in (rec.reason, note) if r))
+    module = sys.modules.get(model.module)
+    if module is not None and model.targets:
+        shared = _ledger.shared_targets(model, module)
+        if shared:
+            told = "; ".join(f"{where} (held by {', '.join(holders)})" for where, holders in shared.items())
+            extra = f"still runs kernels through targets it shares with other models: {told}"
+            if rec.state in (State.APPLIED, State.PARTIAL):
+                extra = None  # a model that holds kernels itself: its targets say it
+            rec = _with(rec, shared=shared, reason="; ".join(r for r in (rec.reason, extra) if r))
+    return rec
+
+
+def _with(rec, **changes):
+    return replace(rec, **changes)
+
+
+def _downgraded(rec, model_type):
+    """The record downgraded when what it claims no longer holds, else None."""
+    placed_module = STATE.placed[model_type][0]
+    moved = _ledger.moved(model_type, sys.modules.get(placed_module.__name__))
+    if moved is not None and moved[0] == "gone":
+        return _with(
+            rec,
+            state=State.PENDING,
+            code=ReasonCode.IMPORT_FAILED,
+            reason=f"the import of {placed_module.__name__} failed after it was patched (did another "
+            "library's post-import hook raise?); it is patched when imported again",
+        )
+    if moved is not None:
+        return _with(rec, state=State.OVERRIDDEN, code=ReasonCode(moved[0]), reason=moved[1])
+    latest = {key for _path, key in STATE.placed[model_type][1]}
+    for key in STATE.held.get(model_type, ()):
+        slot = STATE.slots.get(key)
+        if slot is None or key not in latest:
+            continue
+        now = slot.current()
+        if now is not slot.replacement:
+            return _with(
+                rec,
+                state=State.OVERRIDDEN,
+                code=ReasonCode.REPLACED_AFTER_US,
+                reason=f"{slot.where} was replaced after us by {_ledger.foreign_holder(now)}",
+            )
+    return None
+
+
+def _transformers_roots():
+    """The directories transformers' package lives in, found without importing it (or None)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is not None:
+        return list(getattr(transformers, "__path__", ()))
+    import importlib.machinery
+
+    spec = importlib.machinery.PathFinder.find_spec("transformers")
+    return list(spec.submodule_search_locations or ()) if spec is not None else []
+
+
+def _absent(model, roots):
+    """Whether a transformers.models.* module is missing from the installed transformers."""
+    parts = model.module.split(".")
+    if parts[:2] != ["transformers", "models"] or "*" in model.module:
+        return False
+    for root in roots:
+        base = os.path.join(root, *parts[1:])
+        if os.path.exists(base + ".py") or os.path.isdir(base):
+            return False
+    return True

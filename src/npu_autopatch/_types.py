@@ -88,6 +88,16 @@ class Model:
         self.since = since
         self.load = load
 
+    def matches(self, module_name):
+        """Whether ``module_name`` is this model's module, or matches its trust_remote_code pattern."""
+        if not module_name:
+            return False
+        if self.module.startswith("transformers_modules."):
+            import fnmatch
+
+            return fnmatch.fnmatchcase(module_name, self.module)
+        return module_name == self.module
+
     @property
     def kernels(self):
         names = [t.kernel_name for t in self.targets]

@@ -108,5 +108,6 @@ MODELS = {
     )
 }
 
-# The models this package ships, before any plugin or register() adds to MODELS.
+# The models this package ships. MODELS itself is the live registry (``_state.STATE.models``):
+# entry-point plugins and register() add to it, through _control and _plugins only.
 BUILTIN = tuple(MODELS)

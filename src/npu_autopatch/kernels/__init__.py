@@ -10,6 +10,7 @@ Imported at patch time only: it imports torch, which the modeling module already
 
 from .._types import KERNEL_NAMES, Kernel, Variant
 from . import _reference
+from ._probe import neutral_torch
 from .mlp import SWIGLU
 from .moe import MOE
 from .norm import GATED_RMS_NORM, RMS_NORM
@@ -32,14 +33,19 @@ def _reraise(exc, *tensors):
 
 
 def choose_variant(kernel, stock):
-    """(variant, None) for the first variant that reproduces ``stock``, else (None, reasons)."""
+    """(variant, None) for the first variant that reproduces ``stock``, else (None, reasons).
+
+    The probes run in ``neutral_torch()``: the verdict does not depend on the torch state
+    (meta device, init_empty_weights, default dtype, autocast, ...) the import happens in.
+    """
     reasons = []
-    for variant in kernel.variants:
-        if variant.probe is None:  # a plugin's kernel that chose to go unchecked
-            return variant, None
-        candidate = variant.build(stock, golden_ops(), _reraise)
-        reason = variant.probe(stock, candidate)
-        if reason is None:
-            return variant, None
-        reasons.append(reason if len(kernel.variants) == 1 else f"{variant.name}: {reason}")
+    with neutral_torch():
+        for variant in kernel.variants:
+            if variant.probe is None:  # a plugin's kernel that chose to go unchecked
+                return variant, None
+            candidate = variant.build(stock, golden_ops(), _reraise)
+            reason = variant.probe(stock, candidate)
+            if reason is None:
+                return variant, None
+            reasons.append(reason if len(kernel.variants) == 1 else f"{variant.name}: {reason}")
     return None, "; ".join(reasons) or "no variant of this kernel"

@@ -1,9 +1,16 @@
-"""Probe helpers: tiny seeded inputs and a stock-vs-candidate comparison.
+"""Probe helpers: a neutral torch context, tiny seeded inputs and a stock-vs-candidate comparison.
 
-The probes use their own ``torch.Generator`` and never touch the global RNG state of the
-user's program; modules are built with ``skip_init`` for the same reason.
+A modeling module is often imported for the first time inside the user's own torch context:
+``accelerate.init_empty_weights()`` (verl, on every rank but 0), ``torch.device("meta")``
+(FSDP-style init), a bf16 or fp64 default dtype, autocast, inference mode. The probes must
+reach the same verdict in all of them, or ranks would run different code. So they run in
+``neutral_torch()`` and build every tensor and module through the helpers here, which give
+an explicit dtype and device and do not go through ``nn.Module.register_parameter`` (which
+init_empty_weights replaces). The probes use their own ``torch.Generator`` and never run an
+``__init__`` that draws from the global RNG, so the user's RNG state is untouched.
 """
 
+import contextlib
 import inspect
 
 import torch
@@ -13,12 +20,69 @@ PROBE_RTOL = 1e-4
 PROBE_ATOL = 1e-5
 
 
+FLOAT32 = torch.float32
+CPU = torch.device("cpu")
+
+
+class neutral_torch:
+    """Run the probes in a torch state of their own; put the user's back afterwards.
+
+    - Torch function modes (``torch.device("meta")``, ``set_default_device``) and dispatch
+      modes (a fake-tensor mode) are switched off: tensors are real and on the CPU, where
+      the reference ops run.
+    - Autocast off, inference mode off (parameters cannot be made from inference tensors).
+      These are thread-local, so only the probing thread sees the change.
+    - The default dtype is float32 while the probes run. It is process-wide: another thread
+      creating tensors without a dtype during those milliseconds would get float32 (only when
+      the user changed the default; a stated limit).
+    - One intra-op thread. The first parallel op of a process starts the OpenMP thread team,
+      and a child forked after that hangs in its first parallel op (an OpenMP limitation;
+      tests/test_processes.py). A process that only imported modeling modules has computed
+      nothing and is safe to fork; the probes must not change that. torch's native pool
+      (no OpenMP) is fork-safe and refuses a new count once used, so it is left alone.
+    """
+
+    def __enter__(self):
+        stack = self._stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(torch._C.DisableTorchFunction())
+            disable_dispatch_modes = getattr(torch.utils._python_dispatch, "_disable_current_modes", None)
+            if disable_dispatch_modes is not None:
+                stack.enter_context(disable_dispatch_modes())
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+            dtype = torch.get_default_dtype()
+            if dtype != FLOAT32:
+                torch.set_default_dtype(FLOAT32)
+                stack.callback(torch.set_default_dtype, dtype)
+            threads = torch.get_num_threads() if getattr(torch._C, "has_openmp", False) else 1
+            if threads != 1:
+                torch.set_num_threads(1)
+                stack.callback(torch.set_num_threads, threads)
+        except BaseException:
+            stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info):
+        return self._stack.__exit__(*exc_info)
+
+
 def generator():
-    return torch.Generator().manual_seed(20240601)
+    return torch.Generator(device=CPU).manual_seed(20240601)
 
 
 def randn(gen, *shape):
-    return torch.randn(*shape, generator=gen)
+    return torch.randn(*shape, generator=gen, dtype=FLOAT32, device=CPU)
+
+
+def _set(module, name, value):
+    """``setattr`` for a probe's module, parameters bypassing ``register_parameter`` (see above)."""
+    if isinstance(value, torch.nn.Parameter):
+        module.__dict__.pop(name, None)
+        module._parameters[name] = value
+    else:
+        setattr(module, name, value)
 
 
 def linear(gen, in_features, out_features, bias=False):
@@ -31,8 +95,8 @@ def linear(gen, in_features, out_features, bias=False):
     torch.nn.Module.__init__(layer)
     layer.in_features, layer.out_features = in_features, out_features
     scale = in_features**-0.5
-    layer.weight = torch.nn.Parameter(randn(gen, out_features, in_features) * scale)
-    layer.bias = torch.nn.Parameter(randn(gen, out_features) * scale) if bias else None
+    _set(layer, "weight", torch.nn.Parameter(randn(gen, out_features, in_features) * scale))
+    layer._parameters["bias"] = torch.nn.Parameter(randn(gen, out_features) * scale) if bias else None
     return layer
 
 
@@ -40,7 +104,7 @@ def fake_module(**attributes):
     """A bare nn.Module carrying exactly the attributes a kernel reads from ``self``."""
     module = torch.nn.Module()
     for name, value in attributes.items():
-        setattr(module, name, value)
+        _set(module, name, value)
     return module
 
 
@@ -59,7 +123,7 @@ def instance(stock, **attributes):
     module = owner.__new__(owner)
     torch.nn.Module.__init__(module)
     for name, value in attributes.items():
-        setattr(module, name, value)
+        _set(module, name, value)
     return module
 
 

@@ -62,16 +62,15 @@ experts, Qwen3-Next 512), and a cached stack would go stale after an optimizer s
 
 The experts-implementation registry of 5.x: the class attribute ``forward`` of a fused
 experts class is ``use_experts_implementation``'s wrapper, which looks up
-``config._experts_implementation`` ("grouped_mm" by default) at every call. Replacing it
-in place replaces the dispatch: a patched class runs this kernel whatever implementation
-is configured (they all compute the same thing), and ``disable()`` puts the wrapper back.
-We do not register an implementation instead: that would need a config change in every
-model, or taking over the global "grouped_mm" entry for models we do not patch, outside
-the per-model status and rollback. Where this kernel does not apply (per instance: a
-non-SiLU ``act_fn``, or decorator flags other than gated, concatenated, untransposed,
-bias-free, no post-expert norm, no expert parallelism), the wrapper runs, so the
-configured implementation still decides. The probe runs the wrapper with the "eager"
-implementation, i.e. the class's own expert loop; the parity tests run the default.
+``config._experts_implementation`` at every call. We leave it in place: the patcher
+registers ``_build_experts``'s function as an experts implementation ("npu_grouped_mm" in
+``ALL_EXPERTS_FUNCTIONS``, see _experts.py) and makes it the default of patched models, so
+``set_experts_implementation`` keeps working and an explicit choice wins. ``stock`` is then
+transformers' own default implementation, never the dispatcher (no recursion). Where this
+kernel does not apply (per instance: a non-SiLU ``act_fn``, or decorator flags other than
+gated, concatenated, untransposed, bias-free, no post-expert norm, no expert parallelism),
+``stock`` runs. The probe runs the wrapper with the "eager" implementation, i.e. the
+class's own expert loop; the parity tests run the kernel.
 """
 
 import types

@@ -1,0 +1,281 @@
+"""The ledger: every attribute we replaced, what it was, and which models hold it.
+
+Stdlib only: status() reads it without importing torch. Callers hold the package lock.
+
+Ownership: two models may share one target object (in transformers 4.57, Qwen2.5-VL uses
+qwen2's ``Qwen2RMSNorm``). Each replaced attribute is keyed by (owner object, attribute
+name) and records which models hold it. The first model swaps it in, later ones join, and
+the original comes back only when the last holder lets go, so ``exclude``, a failure of one
+model and ``disable()`` never pull a kernel from under another model. An owner is a class,
+a module, or a dict (transformers' experts registry).
+
+"Is this still the model's own code?" is decided by what the object is: a function whose
+module namespace is the modeling module itself, or a module of the transformers package
+(``sys.modules`` holds that very namespace), or failing both a file under transformers'
+real directory. Never by comparing path strings, which differ through a symlinked
+site-packages or a relative ``sys.path`` entry.
+"""
+
+import os
+import sys
+
+from ._state import STATE
+
+_FUNCTION = type(lambda: None)  # types.FunctionType, without importing types at interpreter start
+_ORIGINAL = object()  # Slot(seen=...) default: the plan found the original there
+
+
+class Slot:
+    """One attribute we replaced, what it was, and which models rely on it."""
+
+    __slots__ = (
+        "attr",
+        "had_own",
+        "holders",
+        "kernel",
+        "original",
+        "owner",
+        "replacement",
+        "seen",
+        "variant",
+        "where",
+    )
+
+    def __init__(
+        self, owner, attr, original, replacement, had_own, where, kernel=None, variant=None, seen=_ORIGINAL
+    ):
+        self.owner = owner  # kept alive so that id(owner) in the ledger key stays valid
+        self.attr = attr
+        self.original = original
+        self.replacement = replacement
+        self.had_own = had_own  # False: the class inherited it; restoring means deleting ours
+        self.holders = set()
+        self.where = where  # the target as status() names it
+        self.kernel = kernel  # None for plumbing (transformers' experts registry and its default)
+        self.variant = variant
+        self.seen = original if seen is _ORIGINAL else seen  # what the plan found there (checked at commit)
+
+    def current(self):
+        return current(self.owner, self.attr)
+
+
+def current(owner, attr):
+    if isinstance(owner, dict):
+        return owner.get(attr)
+    if isinstance(owner, type):
+        return owner.__dict__.get(attr, getattr(owner, attr, None))
+    return getattr(owner, attr, None)
+
+
+def _put(owner, attr, value):
+    if isinstance(owner, dict):
+        owner[attr] = value
+    else:
+        setattr(owner, attr, value)
+
+
+def _remove(owner, attr):
+    if isinstance(owner, dict):
+        owner.pop(attr, None)
+    else:
+        delattr(owner, attr)
+
+
+def where(module, owner, path):
+    """'module:qualname' of a target, naming the module that really defines the owner."""
+    if isinstance(owner, type):
+        return f"{owner.__module__}:{owner.__qualname__}.{path.rsplit('.', 1)[-1]}"
+    return f"{module.__name__}:{path}"
+
+
+def resolve(module, paths):
+    """(path, owner, attr, current, had_own) for the first path that exists, else None."""
+    for path in paths:
+        *owner_path, attr = path.split(".")
+        owner = module
+        try:
+            for name in owner_path:
+                owner = getattr(owner, name)
+            if isinstance(owner, type):
+                had_own = attr in owner.__dict__
+                found = owner.__dict__[attr] if had_own else getattr(owner, attr)
+            else:
+                had_own, found = True, getattr(owner, attr)
+        except AttributeError:
+            continue
+        return path, owner, attr, found, had_own
+    return None
+
+
+def stock_function(obj):
+    """The plain function behind a target: itself, or the function a callable module wraps.
+
+    With the ``kernels`` package installed, transformers 5.x turns a function decorated
+    with ``use_kernel_forward_from_hub`` into an ``nn.Module`` instance whose ``forward``
+    calls the original function; so do not rely on ``inspect.isfunction``.
+    """
+    if type(obj) is _FUNCTION:
+        return obj
+    forward = getattr(type(obj), "forward", None)
+    for cell in getattr(forward, "__closure__", None) or ():
+        if type(cell.cell_contents) is _FUNCTION:
+            return cell.cell_contents
+    return None
+
+
+def _transformers_home():
+    transformers = sys.modules.get("transformers")
+    path = getattr(transformers, "__file__", None)
+    return os.path.realpath(os.path.dirname(path)) + os.sep if path else None
+
+
+def is_own(function, module=None):
+    """Whether ``function`` is the model's own code: its module's, or transformers'."""
+    namespace = function.__globals__
+    if module is not None and namespace is getattr(module, "__dict__", None):
+        return True
+    name = namespace.get("__name__") or ""
+    defining = sys.modules.get(name)
+    transformers_module = name == "transformers" or name.startswith("transformers.")
+    if transformers_module and getattr(defining, "__dict__", None) is namespace:
+        return True
+    home = _transformers_home()
+    return bool(home) and os.path.realpath(function.__code__.co_filename).startswith(home)
+
+
+def foreign_holder(obj, module=None):
+    """None for the model's own code, else the name of whoever holds the target now."""
+    function = stock_function(obj)
+    if function is not None:
+        if is_own(function, module):
+            return None
+        return f"{function.__module__}.{function.__qualname__}"
+    kind = type(obj)
+    return f"{kind.__module__}.{kind.__qualname__} object"
+
+
+def release(key, model_type):
+    """Drop one holder; restore the original when nobody holds the slot any more.
+
+    If another library replaced our kernel in the meantime, its object stays in place.
+    """
+    slot = STATE.slots.get(key)
+    if slot is None:
+        return
+    slot.holders.discard(model_type)
+    if slot.holders:
+        return
+    del STATE.slots[key]
+    if slot.current() is not slot.replacement:
+        return
+    if slot.had_own:
+        _put(slot.owner, slot.attr, slot.original)
+    else:
+        _remove(slot.owner, slot.attr)
+
+
+def commit(model_type, module, steps, placed_paths):
+    """Swap every step's replacement in; on any error undo the swaps made so far and re-raise.
+
+    ``steps`` are (key, slot) pairs; a key already in the ledger is joined, not swapped.
+    A model that already holds slots (its module ran again) keeps them: the objects of the
+    earlier execution, still used by models built before, stay patched.
+    """
+    done = []
+    try:
+        for key, slot in steps:
+            existing = STATE.slots.get(key)
+            if (
+                existing is not None
+                and existing is not slot
+                and existing.current() is not existing.replacement
+            ):
+                _drop_stale(key)  # the module ran again and rebound the name: that slot restores nothing
+            if key not in STATE.slots:
+                _put(slot.owner, slot.attr, slot.replacement)
+                STATE.slots[key] = slot
+                if slot.current() is not slot.replacement:  # e.g. a metaclass that rewrites attributes
+                    slot.holders.add(model_type)
+                    done.append(key)
+                    raise SwapRefused(f"{slot.where} did not keep the replacement after setattr")
+            STATE.slots[key].holders.add(model_type)
+            done.append(key)
+    except BaseException:
+        for key in reversed(done):
+            if key not in STATE.held.get(model_type, ()):
+                release(key, model_type)
+        raise
+    held = STATE.held.setdefault(model_type, [])
+    held.extend(key for key in done if key not in held)
+    STATE.placed[model_type] = (module, tuple(placed_paths))
+
+
+def _drop_stale(key):
+    """Forget a slot whose attribute no longer holds our replacement (its module ran again)."""
+    slot = STATE.slots.pop(key)
+    for model_type in slot.holders:
+        held = STATE.held.get(model_type, [])
+        if key in held:
+            held.remove(key)
+
+
+class SwapRefused(Exception):
+    """An attribute did not keep the replacement."""
+
+
+def release_all(model_type):
+    """Take one model's kernels out again (other holders of a shared target keep it)."""
+    STATE.placed.pop(model_type, None)
+    for key in STATE.held.pop(model_type, ()):
+        release(key, model_type)
+
+
+def moved(model_type, module):
+    """None while the model's kernels sit on what ``module`` holds now, else (code, why not).
+
+    A module whose body ran again unpatched (``importlib.reload`` or an import retried while
+    patching was off) holds new, stock objects. Another library may also have rebound a
+    name to its own class or function (Liger-Kernel's ``apply_liger_kernel_to_*``).
+    """
+    placed_module, placed = STATE.placed[model_type]
+    if module is None:
+        return "gone", None
+    name = placed_module.__name__
+    if module is not placed_module:
+        return (
+            "module-reexecuted",
+            f"{name} was imported again after it was patched; its new objects run stock",
+        )
+    for path, key in placed:
+        found = resolve(module, (path,))
+        slot = STATE.slots.get(key)
+        if found is None or slot is None:
+            continue
+        if (id(found[1]), found[2]) != key or found[3] is not slot.replacement:
+            holder = foreign_holder(found[3], module)
+            if holder is not None:
+                return "replaced-after-us", f"{name}:{path} was replaced after us by {holder}"
+            if (id(found[1]), found[2]) != key:
+                return (
+                    "module-reexecuted",
+                    f"{name} was executed again after it was patched; its new objects run stock",
+                )
+            return (
+                "module-reexecuted",
+                f"{slot.where} holds transformers' own code again (module executed again?)",
+            )
+    return None
+
+
+def shared_targets(model, module):
+    """{target: models holding it} for this model's targets that run a kernel it does not hold."""
+    shared = {}
+    for target in model.targets:
+        found = resolve(module, target.paths)
+        if found is None:
+            continue
+        key = (id(found[1]), found[2])
+        slot = STATE.slots.get(key)
+        if slot is not None and found[3] is slot.replacement and model.model_type not in slot.holders:
+            shared[slot.where] = tuple(sorted(slot.holders))
+    return shared

@@ -1,0 +1,81 @@
+"""The package state: every piece of it, in one object, behind one lock.
+
+Stdlib only (it is imported at interpreter start when NPU_AUTOPATCH is set). Other modules
+read and write ``STATE``; none keeps state of its own. Writers hold ``STATE.lock`` (through
+``_log.locked``, which also holds log lines back until the lock is let go).
+
+A fork while another thread holds the lock would give the child a lock held by a thread
+that does not exist there (every later hook, enable() or status() in the child would hang)
+and a half-made change. As the logging module does for its own lock, the lock is taken
+around ``fork()``: the fork waits for the (short) critical section, and the child starts
+with the lock free and the state consistent. Only commits run under the lock: importing
+torch_npu, detecting the device and probing run outside it, so a fork (a DataLoader
+worker) never waits for them.
+"""
+
+import _thread
+import os
+
+from .models import MODELS
+
+
+class _State:
+    __slots__ = (
+        "arm_error",
+        "armed",
+        "booted",
+        "config",
+        "deferred",
+        "device",
+        "enabled",
+        "explicit_experts",
+        "generation",
+        "held",
+        "hooked",
+        "lock",
+        "models",
+        "placed",
+        "plugins_discovered",
+        "records",
+        "remote_wrapped",
+        "requirements",
+        "slots",
+        "watcher",
+    )
+
+    def __init__(self):
+        self.lock = _thread.RLock()
+        self.booted = False  # the .pth line / sitecustomize ran boot() (a site dir may be processed twice)
+        self.enabled = False
+        self.config = None  # the Config of the current enable()
+        self.generation = 0  # bumped by enable()/disable(): a plan made under an older one is dropped
+        # The model registry: the built-in table, then entry-point plugins and register().
+        # models.MODELS is this very dict, so that code reading the table sees registrations.
+        self.models = MODELS
+        self.plugins_discovered = False
+        # Hooks (_hooks): the stdlib watcher, whether the wrapt hooks are armed (or why not),
+        # the modules with a hook of ours in wrapt's table, the get_class_in_module we wrapped.
+        self.watcher = None
+        self.armed = False
+        self.arm_error = None
+        self.hooked = set()
+        self.remote_wrapped = None  # (dynamic_module_utils, original) while we wrap it
+        # Per enable(): the device decision (torch_npu module or None, reason) and each
+        # kernel's and variant's requirement verdict, keyed by id().
+        self.device = None
+        self.requirements = {}
+        # The ledger (_ledger): what we replaced and who holds it.
+        self.slots = {}  # (id(owner), attr) -> _ledger.Slot
+        self.held = {}  # model type -> [ledger keys it holds]
+        self.placed = {}  # model type -> (module, ((path, key), ...)) of its latest application
+        self.records = {}  # model type -> PatchRecord of its latest decision
+        self.explicit_experts = {}  # model type -> experts implementations users asked for (5.x)
+        self.deferred = {}  # thread ident -> [depth, messages] while that thread holds the lock
+
+
+STATE = _State()
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=STATE.lock.acquire, after_in_parent=STATE.lock.release, after_in_child=STATE.lock.release
+    )

@@ -331,7 +331,7 @@ def check_model(model_type: str, module, confirmed: list[Candidate], npu, dtypes
             step = "tiny inputs"
             inputs, labels = tiny.model_inputs(model)
             step = f"stock training step ({dtype_name})"
-            stock = tiny.forward_backward(model, inputs, labels)
+            stock = _step(model, inputs, labels)
         except Exception as exc:
             result.error = f"{step}: {type(exc).__name__}: {_short(exc)}"
             result.parity = []
@@ -344,6 +344,23 @@ def check_model(model_type: str, module, confirmed: list[Candidate], npu, dtypes
         parity.seconds = round(time.perf_counter() - begin, 3)
         result.parity.append(parity)
     return result
+
+
+# The global RNG seed of every training step: a model that draws random numbers in training
+# (dropout the shrinking missed, DINOv3's rotary jitter) draws the same ones stock and patched,
+# since the kernels draw none.
+_STEP_SEED = 0
+
+
+def _step(model, inputs, labels):
+    """tiny.forward_backward with the RNG seeded, leaving the caller's RNG state as it was."""
+    import torch
+
+    from .testing import tiny
+
+    with torch.random.fork_rng():
+        torch.manual_seed(_STEP_SEED)
+        return tiny.forward_backward(model, inputs, labels)
 
 
 # Batches (input seeds) tried when a bf16 run is beyond tolerance on the first one only.
@@ -374,15 +391,15 @@ def _other_batches(model_type, module, confirmed, model, npu, dtype_name) -> lis
     passed = []
     for seed in _OTHER_SEEDS:
         inputs, labels = tiny.model_inputs(model, seed)
-        stock = tiny.forward_backward(model, inputs, labels)
+        stock = _step(model, inputs, labels)
         parity, _ran = _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dtype_name)
         passed.append(parity.passed)
     return passed
 
 
 # A gradient that is zero in exact arithmetic (the key bias of softmax attention) is rounding
-# noise in both runs; relative to its own size the difference is meaningless. Such tensors are
-# compared against this fraction of the model's largest gradient instead.
+# noise in both runs; relative to its own size the difference is meaningless. A gradient below
+# this fraction of the model's largest one, stock and patched, counts as zero in both.
 NOISE_FLOOR = 1e-6
 
 
@@ -405,12 +422,13 @@ def _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dt
         npu_autopatch.enable(models=[key])
         record = npu_autopatch.status()[key]
         model.zero_grad(set_to_none=True)
-        with counting_targets(module, paths, npu) as (calls, fused):
+        with torch.random.fork_rng(), counting_targets(module, paths, npu) as (calls, fused):
+            torch.manual_seed(_STEP_SEED)
             before = collections.Counter(npu.calls)
             output = tiny.main_output(model(**inputs))
             middle = collections.Counter(npu.calls)
-        patched = tiny.backward(model, output, labels)
-        after = collections.Counter(npu.calls)
+            patched = tiny.backward(model, output, labels)
+            after = collections.Counter(npu.calls)
     except Exception as exc:
         return Parity(dtype_name, False, error=f"patched run: {type(exc).__name__}: {_short(exc)}"), {}
     finally:
@@ -420,9 +438,14 @@ def _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dt
     report = ParityReport(
         model_type, dtype_name, record.state, record.reason, record.kernels, tolerance=tolerance
     )
-    compare(report, stock, patched)
-    over, noise = _over_tolerance(report, stock[1], patched[1], tolerance)
-    rounding = _closer_to_fp32(model, inputs, labels, over, stock, patched, tolerance) if over else []
+    # parity.relative_error cannot take an empty tensor (DINOv3's zero register tokens)
+    stock, patched = _non_empty(stock), _non_empty(patched)
+    try:
+        compare(report, stock, patched)
+        over, noise = _over_tolerance(report, stock[1], patched[1])
+        rounding = _closer_to_fp32(model, inputs, labels, over, stock, patched, tolerance) if over else []
+    except Exception as exc:  # e.g. a patched gradient of another shape than stock's
+        return Parity(dtype_name, False, error=f"comparison: {type(exc).__name__}: {_short(exc)}"), {}
     over = [name for name in over if name not in rounding]
     parity = Parity(
         dtype_name,
@@ -441,6 +464,12 @@ def _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dt
     return parity, {path: [calls[path], fused[path]] for path in paths}
 
 
+def _non_empty(run):
+    """(output, gradients) without the gradients of empty parameters."""
+    output, grads = run
+    return output, {name: g for name, g in grads.items() if g is None or g.numel()}
+
+
 def _closer_to_fp32(model, inputs, labels, over, stock, patched, tolerance) -> list[str]:
     """The tensors of ``over`` that are beyond tolerance only because stock bf16 rounds more.
 
@@ -454,14 +483,13 @@ def _closer_to_fp32(model, inputs, labels, over, stock, patched, tolerance) -> l
 
     import torch
 
-    from .testing import tiny
     from .testing.parity import relative_error
 
     if next(model.parameters()).dtype != torch.bfloat16:
         return []
     reference = copy.deepcopy(model).float()
     ref_inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
-    exact = tiny.forward_backward(reference, ref_inputs, labels)
+    exact = _step(reference, ref_inputs, labels)
     accepted = []
     for name in over:
         if name == "logits":
@@ -476,16 +504,16 @@ def _closer_to_fp32(model, inputs, labels, over, stock, patched, tolerance) -> l
     return accepted
 
 
-def _over_tolerance(report, stock_grads, patched_grads, tolerance):
-    """(tensors beyond tolerance, gradients within it once compared against the noise floor)."""
+def _over_tolerance(report, stock_grads, patched_grads):
+    """(tensors beyond tolerance, gradients that are zero up to rounding in both runs)."""
     largest = max((g.abs().max().item() for g in stock_grads.values() if g is not None), default=0.0)
     floor = NOISE_FLOOR * largest
     over, noise = [], []
     for name in report.over_tolerance:
         param = name.removeprefix("grad of ")
         expected = stock_grads.get(param) if name.startswith("grad of ") else None
-        zero = expected is not None and expected.abs().max().item() < floor
-        if zero and (patched_grads[param] - expected).abs().max().item() <= tolerance * floor:
+        got = patched_grads.get(param)
+        if expected is not None and got is not None and max(expected.abs().max(), got.abs().max()) < floor:
             noise.append(param)
         else:
             over.append(name)
@@ -512,8 +540,16 @@ def _worker(folders: list[str], dtypes, parity: bool) -> None:
                 _emit("module", asdict(result))
             if parity:
                 for model_type in model_types_of(folder):
-                    _emit("model", asdict(_check_type(model_type, scanned, npu, dtypes)))
+                    _emit("model", asdict(_check_type_safely(model_type, scanned, npu, dtypes)))
             _emit("done", {"folder": folder})
+
+
+def _check_type_safely(model_type, scanned, npu, dtypes) -> ModelScan:
+    """_check_type, with whatever it raises recorded on the model type instead of ending the child."""
+    try:
+        return _check_type(model_type, scanned, npu, dtypes)
+    except Exception as exc:
+        return ModelScan(model_type, error=f"scan error: {type(exc).__name__}: {_short(exc)}")
 
 
 def _check_type(model_type, scanned, npu, dtypes) -> ModelScan:

@@ -581,7 +581,9 @@ def _shrink_layers(fields: dict, out: dict, sizes: dict) -> None:
         if name in _FIRST_DENSE and _int(value) and value > 0:
             out[name] = sum(1 for i in keep if i < value)
         elif (
-            _per_layer(name, value, layers) or _index_list(name, value, layers) or _layer_keyed(name, value, layers)
+            _per_layer(name, value, layers)
+            or _index_list(name, value, layers)
+            or _layer_keyed(name, value, layers)
         ):
             out[name] = _resample(name, out[name], layers, keep)
     for name in _LAYERS:
@@ -872,9 +874,10 @@ def _count(features) -> int:
     raise TinyModelError(f"cannot count tower output of type {type(features).__name__}")
 
 
-def _image(config, accepted, dtype, gen) -> dict:
+def _image(config, accepted, dtype, gen, sizes=False) -> dict:
     """One image per sample in the layout the model takes: flattened patches with their grid
-    (Qwen-style towers), else a square image (with its size, where the model asks for it)."""
+    (Qwen-style towers), else a square image (with its size when ``sizes``: Mistral3 needs it,
+    LLaVA must not get it with a CLIP tower)."""
     vision = getattr(config, "vision_config", None) or config
     grid_name = next((n for n in ("image_grid_thw", "grid_thw") if n in accepted), None)
     if grid_name is not None:
@@ -882,7 +885,7 @@ def _image(config, accepted, dtype, gen) -> dict:
         return {"pixel_values": pixels, grid_name: grid}
     pixels = _square_image(vision, dtype, gen)
     inputs = {"pixel_values": pixels}
-    if "image_sizes" in accepted:
+    if sizes:
         inputs["image_sizes"] = torch.tensor([list(pixels.shape[-2:])] * BATCH)
     return inputs
 
@@ -893,7 +896,7 @@ def _modal_inputs(model, dtype, gen) -> dict:
     accepted = _accepts(model)
     modal = {}
     if getattr(config, "vision_config", None) is not None and "pixel_values" in accepted:
-        modal["image"] = _image(config, accepted, dtype, gen)
+        modal["image"] = _image(config, accepted, dtype, gen, sizes=_requires(model, "image", "image_sizes"))
     audio = getattr(config, "audio_config", None)
     if audio is not None and "input_features" in accepted:
         features, mask = _audio(audio, dtype, gen)
@@ -903,12 +906,29 @@ def _modal_inputs(model, dtype, gen) -> dict:
     return modal
 
 
+def _features_getter(model, modality):
+    """The model's ``get_<modality>_features`` (on it or its inner ``model``), or None."""
+    owner = model
+    while owner is not None:
+        getter = getattr(owner, f"get_{modality}_features", None)
+        if getter is not None:
+            return getter
+        owner = getattr(owner, "model", None)
+    return None
+
+
+def _requires(model, modality, name) -> bool:
+    """Whether the tower's feature getter has a parameter ``name`` without a default."""
+    getter = _features_getter(model, modality)
+    if getter is None:
+        return False
+    parameter = inspect.signature(getter).parameters.get(name)
+    return parameter is not None and parameter.default is parameter.empty
+
+
 def _tower_tokens(model, modality, inputs) -> int:
     """How many placeholder tokens the tower's features fill, per sample (the tower is run once)."""
-    owner, getter = model, None
-    while owner is not None and getter is None:
-        getter = getattr(owner, f"get_{modality}_features", None)
-        owner = getattr(owner, "model", None) if getter is None else owner
+    getter = _features_getter(model, modality)
     if getter is None:
         raise TinyModelError(
             f"{model.config.model_type}: no get_{modality}_features to size its placeholders"

@@ -557,8 +557,9 @@ def _check_type(model_type, scanned, npu, dtypes) -> ModelScan:
     from .testing import tiny
 
     try:
-        config = tiny.trained_config(tiny.tiny_config(model_type))
-        found = tiny.model_class(config)
+        config = tiny.tiny_config(model_type)
+        trained = tiny.trained_config(config)
+        found = tiny.model_class(trained, by_name=trained is not config)
     except Exception as exc:
         return ModelScan(model_type, error=f"tiny config: {type(exc).__name__}: {_short(exc)}")
     if found is None:

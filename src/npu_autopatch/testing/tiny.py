@@ -586,9 +586,9 @@ def _shrink_layers(fields: dict, out: dict, sizes: dict) -> None:
             or _layer_keyed(name, value, layers)
         ):
             out[name] = _resample(name, out[name], layers, keep)
-    for name in _LAYERS:
-        if fields.get(name) == layers:
-            out[name] = len(keep)
+    for name in _LAYERS:  # every count: LongCat-Flash builds num_layers, 4.57 also stores 2x as hidden
+        if _int(fields.get(name)) and fields[name] > 0:
+            out[name] = min(fields[name], len(keep))
     # MoE models that can have dense layers get one (layer 0), so that the dense MLP runs too.
     if isinstance(fields.get("mlp_only_layers"), list) and _moe(out):
         out["mlp_only_layers"] = [0]
@@ -724,8 +724,21 @@ _HEADS_IN_ORDER = (
 )
 
 
-def model_class(config):
-    """(auto class name, model class) for ``config``, or None if no auto class takes it."""
+_TRAINED_HEADS = ("AutoModelForImageTextToText", "AutoModelForCausalLM")
+# The head classes a sub-model without an auto class is looked up by (4.57's Qwen-Omni thinker).
+_HEAD_SUFFIXES = {
+    "AutoModelForImageTextToText": "ForConditionalGeneration",
+    "AutoModelForCausalLM": "ForCausalLM",
+}
+
+
+def model_class(config, by_name: bool = False):
+    """(auto class name, model class) for ``config``, or None if no auto class takes it.
+
+    ``by_name``: for a sub-model that no auto class maps (4.57 registers no class for
+    Qwen-Omni's thinker config), fall back to transformers' naming convention,
+    ``XConfig`` -> ``XForConditionalGeneration`` / ``XForCausalLM``.
+    """
     import transformers
 
     for name in _HEADS_IN_ORDER:
@@ -741,6 +754,11 @@ def model_class(config):
             continue
         cls = classes[0] if isinstance(classes, list | tuple) else classes
         return name, cls
+    base = type(config).__name__.removesuffix("Config")
+    for name, suffix in _HEAD_SUFFIXES.items() if by_name else ():
+        cls = getattr(transformers, base + suffix, None)
+        if isinstance(cls, type) and getattr(cls, "config_class", None) is type(config):
+            return name, cls
     return None
 
 
@@ -748,12 +766,12 @@ def trained_config(config):
     """The config of the part a user trains: the model itself, or the one sub-model with a
     text head when the model has none (Qwen-Omni: the thinker, not the talker/vocoder)."""
     found = model_class(config)
-    if found is not None and found[0] in ("AutoModelForImageTextToText", "AutoModelForCausalLM"):
+    if found is not None and found[0] in _TRAINED_HEADS:
         return config
     for name in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, name, None)
-        sub_found = model_class(sub) if sub is not None else None
-        if sub_found is not None and sub_found[0] in ("AutoModelForImageTextToText", "AutoModelForCausalLM"):
+        sub_found = model_class(sub, by_name=True) if hasattr(sub, "to_dict") else None
+        if sub_found is not None and sub_found[0] in _TRAINED_HEADS:
             return sub
     return config
 
@@ -766,12 +784,14 @@ def _count_meta(cls, config) -> int:
 
 def tiny_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     """A tiny random model of ``model_type`` in ``dtype``, initialised from ``seed``, in train mode."""
-    config = trained_config(tiny_config(model_type, **overrides))
-    return model_from_config(config, dtype, seed)
+    config = tiny_config(model_type, **overrides)
+    trained = trained_config(config)
+    return model_from_config(trained, dtype, seed, by_name=trained is not config)
 
 
-def model_from_config(config, dtype: torch.dtype = torch.float32, seed: int = 0):
-    found = model_class(config)
+def model_from_config(config, dtype: torch.dtype = torch.float32, seed: int = 0, by_name: bool = False):
+    """The model of ``config`` with its head (see model_class), in ``dtype``, in train mode."""
+    found = model_class(config, by_name)
     if found is None:
         raise TinyModelError(f"{config.model_type}: no auto model class takes {type(config).__name__}")
     _auto, cls = found
@@ -865,8 +885,8 @@ def _count(features) -> int:
         features = features.pooler_output
     elif hasattr(features, "last_hidden_state"):
         features = features.last_hidden_state
-    if isinstance(features, list | tuple) and features and isinstance(features[0], list | tuple):
-        return _count(features[0])  # 4.x Qwen3-VL: (per-image embeddings, deepstack features)
+    if isinstance(features, tuple) and len(features) == 2 and isinstance(features[1], list | tuple):
+        return _count(features[0])  # 4.x Qwen3-VL/Omni: (embeddings, deepstack features per layer)
     if isinstance(features, list | tuple):
         return sum(_count(f) for f in features)
     if isinstance(features, torch.Tensor):

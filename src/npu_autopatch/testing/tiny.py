@@ -804,7 +804,27 @@ def model_from_config(config, dtype: torch.dtype = torch.float32, seed: int = 0,
             )
         torch.manual_seed(seed)
         model = cls._from_config(config)
-    return model.to(dtype).train()
+    return _keep_in_fp32(model.to(dtype), dtype).train()
+
+
+def _keep_in_fp32(model, dtype):
+    """Put back in fp32 the modules from_pretrained keeps there: ``_keep_in_fp32_modules_strict``
+    in bf16 and fp16 (an MoE router's gate, DeepSeek's score correction bias), and also
+    ``_keep_in_fp32_modules`` in fp16. A bf16 model otherwise differs from what users train,
+    and some fail (4.57's ERNIE-4.5-MoE runs its router on fp32 inputs)."""
+    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in _HALF else set()
+    if dtype == torch.float16:
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if not names:
+        return model
+    pattern = re.compile("|".join(rf"((^|\.){re.escape(name)}($|\.))" for name in sorted(names)))
+    for name, param in list(model.named_parameters()) + list(model.named_buffers()):
+        if pattern.search(name) and param.is_floating_point():
+            param.data = param.data.float()
+    return model
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 # --- the inputs ---------------------------------------------------------------------------

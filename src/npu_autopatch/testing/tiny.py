@@ -8,14 +8,15 @@ sub-config (text, vision, audio towers), and loads it back with ``from_dict``, t
 of a real checkpoint. There is no table of configs per model: a field is shrunk because
 of its name, and fields that must agree (heads and key/value heads, ``head_dim`` and
 the rotary sections, a projector's width and the text model's, a layer-type list and
-the layer count) are shrunk together. The few models that need one more key have it in
-``_NEEDS``, with the reason.
+the layer count) are shrunk together. Where a model's code has a default its config lacks
+(the mRoPE sections of Qwen2-VL-style models), it is read from the modeling source.
 
 ``tiny_model`` builds the model with the head a user trains: image-text-to-text where
 there is a vision tower, else causal LM, else the base model; a model whose trainable
-part is a sub-model (Qwen-Omni's thinker) is built as that sub-model. ``model_batch``
-gives inputs for it: text, plus one image (and one audio clip) per sample where the
-model has those towers, with as many placeholder tokens as the tower really produces.
+part is a sub-model (Qwen-Omni's thinker) is built as that sub-model, and the modules
+from_pretrained keeps in fp32 stay in fp32. ``model_inputs`` gives inputs for it: text,
+plus one image (and one audio clip) per sample where the model has those towers, with as
+many placeholder tokens as the tower really produces.
 
 A shrunk config is checked on the meta device before any memory is allocated: a field
 this module does not know could leave a model with billions of parameters, and that
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import math
 import os
@@ -50,8 +52,9 @@ __all__ = [
 
 # The sizes of the tiny models (today's parity models: hidden 64, 4 heads of 16, 2 kv heads,
 # two layers, vocabulary 128). Towers (vision, audio) are narrower and one block deep.
-TEXT = {"width": 64, "ffn": 128, "layers": 2, "heads": 4, "head_dim": 16, "vocab": 128}
-TOWER = {"width": 32, "ffn": 64, "layers": 1, "heads": 2, "head_dim": 16, "vocab": 128}
+# FFN widths are twice the width.
+TEXT = {"width": 64, "layers": 2, "heads": 4, "head_dim": 16, "vocab": 128}
+TOWER = {"width": 32, "layers": 1, "heads": 2, "head_dim": 16, "vocab": 128}
 EXPERTS, TOP_K, EXPERT_FFN, SHARED_FFN = 4, 2, 32, 64
 
 # A shrunk model larger than this (parameters and buffers, in elements) is refused: it
@@ -207,17 +210,14 @@ class _Shrink:
 
 def _quiet():
     """Silence transformers' config/model warnings about the odd tiny values."""
+    from transformers.utils import logging as hf_logging
+
     stack = contextlib.ExitStack()
     stack.enter_context(warnings.catch_warnings())
     warnings.simplefilter("ignore")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        level = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        stack.callback(hf_logging.set_verbosity, level)
-    except ImportError:  # pragma: no cover - transformers always has it
-        pass
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    stack.callback(hf_logging.set_verbosity, level)
     return stack
 
 
@@ -624,6 +624,7 @@ def _clamp_feature_layers(fields: dict) -> None:
 _MROPE_DEFAULT = re.compile(r"""["']mrope_section["']\s*(?:,\s*\[([\d,\s]+)\])?""")
 
 
+@functools.cache
 def source_mrope_section(model_type: str):
     """The mRoPE sections the model's code uses when its config has none, from its source.
 
@@ -685,10 +686,6 @@ def shrink(fields: dict, overrides: dict | None = None, mrope=None) -> dict:
     return fields
 
 
-# Where a generic shrink is not enough: the few keys that matter, and why.
-_NEEDS: dict[str, dict] = {}
-
-
 def build_config(model_type: str, fields: dict):
     """The config object of ``model_type`` from a (tiny) config.json dict, as from_pretrained does."""
     cls = _config_class(model_type)
@@ -697,7 +694,12 @@ def build_config(model_type: str, fields: dict):
 
 
 def default_fields(model_type: str) -> dict:
-    """The model type's default config as a config.json dict."""
+    """The model type's default config as a config.json dict (a fresh copy)."""
+    return copy.deepcopy(_default_fields(model_type))
+
+
+@functools.cache
+def _default_fields(model_type: str) -> dict:
     cls = _config_class(model_type)
     with _quiet():
         return cls().to_dict()
@@ -707,7 +709,7 @@ def tiny_config(model_type: str, **overrides):
     """The tiny config of ``model_type``; ``overrides`` replace fields of its text model."""
     fields = shrink(
         default_fields(model_type),
-        {**_NEEDS.get(model_type, {}), **overrides},
+        overrides,
         mrope=source_mrope_section(model_type),
     )
     return build_config(model_type, fields)
@@ -776,6 +778,20 @@ def trained_config(config):
     return config
 
 
+# A field this large in a shrunk config may be a size the rules missed: the model is then
+# sized on the meta device before it is built (which costs as much as building it).
+_LARGE = 1024
+_SIZE_LIKE = ("size", "dim", "hidden", "vocab", "channels", "embed", "expert", "position", "inner", "rank")
+
+
+def _large_field(config) -> bool:
+    for cfg in _configs(config):
+        for name, value in vars(cfg).items():
+            if _int(value) and value > _LARGE and any(word in name for word in _SIZE_LIKE):
+                return True
+    return False
+
+
 def _count_meta(cls, config) -> int:
     with torch.device("meta"):
         model = cls._from_config(config)
@@ -796,7 +812,7 @@ def model_from_config(config, dtype: torch.dtype = torch.float32, seed: int = 0,
         raise TinyModelError(f"{config.model_type}: no auto model class takes {type(config).__name__}")
     _auto, cls = found
     with _quiet():
-        elements = _count_meta(cls, config)
+        elements = _count_meta(cls, config) if _large_field(config) else 0
         if elements > MAX_ELEMENTS:
             raise TinyModelError(
                 f"{config.model_type}: {elements / 1e6:.0f}M elements after shrinking (limit "

@@ -787,7 +787,8 @@ _SIZE_LIKE = ("size", "dim", "hidden", "vocab", "channels", "embed", "expert", "
 def _large_field(config) -> bool:
     for cfg in _configs(config):
         for name, value in vars(cfg).items():
-            if _int(value) and value > _LARGE and any(word in name for word in _SIZE_LIKE):
+            values = value if isinstance(value, list | tuple) else (value,)  # ResNet's hidden_sizes
+            if any(_int(v) and v > _LARGE for v in values) and any(word in name for word in _SIZE_LIKE):
                 return True
     return False
 

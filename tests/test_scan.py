@@ -129,6 +129,9 @@ def test_a_scan_reports_targets_that_ran_fused_ops_and_parity():
     assert _scan.summary(result) in text
     assert "ran stock code: Gemma3MLP.forward" in text
     assert json.loads(_scan.to_json(result))["summary"] == _scan.summary(result)
+    assert (
+        _scan.markdown(_scan.from_dict(json.loads(_scan.to_json(result)))) == text
+    )  # stored JSON renders again
 
 
 def test_the_command_prints_json_and_exits_zero_when_parity_holds(capsys):

@@ -120,7 +120,7 @@ class ScanResult:
     def as_dict(self) -> dict:
         return {
             "transformers": self.transformers,
-            "seconds": round(self.seconds, 1),
+            "seconds": self.seconds,
             "dtypes": list(self.dtypes),
             "summary": summary(self),
             "modules": [asdict(m) for m in self.modules],
@@ -612,7 +612,8 @@ def scan(
         if progress is not None:
             progress(f"{min(start + _BATCH_DIRS, len(todo))}/{len(todo)} directories")
     version = importlib.metadata.version("transformers")
-    return ScanResult(version, modules, models, time.perf_counter() - begin, tuple(dtypes), errors)
+    seconds = round(time.perf_counter() - begin, 1)
+    return ScanResult(version, modules, models, seconds, tuple(dtypes), errors)
 
 
 def _run_batch(batch, dtypes, parity, python) -> list[dict]:
@@ -643,10 +644,21 @@ def _run_batch(batch, dtypes, parity, python) -> list[dict]:
     return lines
 
 
-def _module_from(line) -> ModuleScan:
-    return ModuleScan(
-        line["module"], line.get("import_error"), [Candidate(**c) for c in line.get("candidates", [])]
+def from_dict(data: dict) -> ScanResult:
+    """The ScanResult of a ``--json`` output, to render it again (``markdown(from_dict(...))``)."""
+    return ScanResult(
+        data["transformers"],
+        [_module_from(m) for m in data["modules"]],
+        [_model_from(m) for m in data["models"]],
+        data["seconds"],
+        tuple(data["dtypes"]),
+        data.get("errors", {}),
     )
+
+
+def _module_from(line) -> ModuleScan:
+    candidates = [Candidate(**c) for c in line.get("candidates", [])]
+    return ModuleScan(line["module"], line.get("import_error"), candidates)
 
 
 def _model_from(line) -> ModelScan:

@@ -795,8 +795,7 @@ def _large_field(config) -> bool:
 
 def _count_meta(cls, config) -> int:
     with torch.device("meta"):
-        model = cls._from_config(config)
-    return sum(t.numel() for t in model.parameters()) + sum(t.numel() for t in model.buffers())
+        return _elements(cls._from_config(config))
 
 
 def tiny_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
@@ -813,15 +812,25 @@ def model_from_config(config, dtype: torch.dtype = torch.float32, seed: int = 0,
         raise TinyModelError(f"{config.model_type}: no auto model class takes {type(config).__name__}")
     _auto, cls = found
     with _quiet():
-        elements = _count_meta(cls, config) if _large_field(config) else 0
-        if elements > MAX_ELEMENTS:
-            raise TinyModelError(
-                f"{config.model_type}: {elements / 1e6:.0f}M elements after shrinking (limit "
-                f"{MAX_ELEMENTS / 1e6:.0f}M): a size field was not recognised"
-            )
+        # Sized on the meta device first when a field is suspiciously large; checked after the
+        # build in any case, so that "tiny" always means at most MAX_ELEMENTS.
+        _refuse_large(config, _count_meta(cls, config) if _large_field(config) else 0)
         torch.manual_seed(seed)
         model = cls._from_config(config)
+        _refuse_large(config, _elements(model))
     return _keep_in_fp32(model.to(dtype), dtype).train()
+
+
+def _elements(model) -> int:
+    return sum(t.numel() for t in model.parameters()) + sum(t.numel() for t in model.buffers())
+
+
+def _refuse_large(config, elements: int) -> None:
+    if elements > MAX_ELEMENTS:
+        raise TinyModelError(
+            f"{config.model_type}: {elements / 1e6:.0f}M elements after shrinking (limit "
+            f"{MAX_ELEMENTS / 1e6:.0f}M): a size field was not recognised"
+        )
 
 
 def _keep_in_fp32(model, dtype):

@@ -1,0 +1,799 @@
+"""``python -m npu_autopatch scan``: which code of the installed transformers our kernels reproduce.
+
+For every modeling module of the installed transformers (``transformers/models/*/modeling_*.py``,
+found from the package directory), the scan imports it, finds the candidate targets by name
+(``*RMSNorm*`` classes, ``*MLP``/``*FeedForward`` classes, ``apply_*rotary*`` functions,
+``*Experts``/``*SparseMoeBlock``/``*MoE`` classes and their ``moe`` method) and asks the
+built-in kernels' probes whether they reproduce each one (``kernels.choose_variant``: the
+same check the patcher runs before every swap). Then, for each model type of that module,
+it builds the tiny random model (``testing.tiny``) and compares it stock and with the
+confirmed targets patched, on the CPU stand-in for torch_npu: logits and every gradient,
+fp32 and bf16, with the fused ops counted and the targets that really ran counted too.
+
+It is a command-line tool: it imports every modeling module, which a library must never do
+on the user's behalf, so nothing else in the package imports this module. The modules are
+scanned in child processes, a few package directories each, so that one module that crashes
+or hangs costs one batch, and memory stays flat.
+
+``main(argv)`` is the command (``python -m npu_autopatch scan [--json]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+# Candidate targets by name. The probes, not the names, decide what is patched.
+_NORM = re.compile(r"RMSNorm")
+_MLP = re.compile(r"(MLP|Mlp|FeedForward|FFN|Ffn)")
+_MOE = re.compile(r"(Experts|SparseMoeBlock|SparseMoE|MoE|Moe|MoEBlock|MoeBlock)$")
+_ROPE = re.compile(r"^apply_\w*rotary")
+_KERNELS_FOR = {
+    "norm": ("rms_norm", "gated_rms_norm"),
+    "mlp": ("swiglu",),
+    "rope": ("rope",),
+    "moe": ("moe",),
+}
+DTYPES = ("float32", "bfloat16")
+_BATCH_DIRS = 12  # package directories per child process
+_CHILD_TIMEOUT = 900
+
+
+@dataclass
+class Candidate:
+    """A class method or function whose name looks like a target, and what the probes said."""
+
+    path: str  # "Qwen3RMSNorm.forward" or "apply_rotary_pos_emb", in the module's namespace
+    kind: str  # norm, mlp, rope, moe
+    defined_in: str  # the module that defines it (another one for an imported class)
+    kernel: str | None = None  # the kernel whose probe accepted it
+    variant: str | None = None
+    refused: dict[str, str] = field(default_factory=dict)  # kernel -> why its probes refused
+
+
+@dataclass
+class ModuleScan:
+    module: str
+    import_error: str | None = None
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def confirmed(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.kernel is not None]
+
+
+@dataclass
+class Parity:
+    """Stock vs patched for one model type and dtype, on the CPU stand-in."""
+
+    dtype: str
+    passed: bool
+    state: str = ""
+    reason: str | None = None
+    logits_error: float | None = None
+    grad_error: float | None = None
+    worst_tensor: str = ""
+    missing_grads: list[str] = field(default_factory=list)
+    noise_level: list[str] = field(default_factory=list)  # zero gradients compared against the floor
+    # bf16 tensors beyond tolerance where patched is as close to the fp32 result as stock is
+    rounding: list[str] = field(default_factory=list)
+    other_batches: list[bool] = field(default_factory=list)  # bf16 borderline: the other batches
+    forward_ops: dict[str, int] = field(default_factory=dict)  # fused-op calls in one forward
+    backward_ops: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class ModelScan:
+    model_type: str
+    module: str | None = None
+    model_class: str | None = None
+    targets: list[str] = field(default_factory=list)  # "kernel:path" confirmed in its module
+    # target path -> [calls in one patched forward, torch_npu op calls inside them]
+    ran: dict[str, list[int]] = field(default_factory=dict)
+    parity: list[Parity] = field(default_factory=list)
+    error: str | None = None  # why the tiny model could not be built or run
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.parity) and all(p.passed for p in self.parity)
+
+
+@dataclass
+class ScanResult:
+    transformers: str
+    modules: list[ModuleScan]
+    models: list[ModelScan]
+    seconds: float = 0.0
+    dtypes: tuple[str, ...] = DTYPES
+    errors: dict[str, str] = field(default_factory=dict)  # directory -> why its scan died
+
+    def as_dict(self) -> dict:
+        return {
+            "transformers": self.transformers,
+            "seconds": self.seconds,
+            "dtypes": list(self.dtypes),
+            "summary": summary(self),
+            "modules": [asdict(m) for m in self.modules],
+            "models": [asdict(m) for m in self.models],
+            "errors": self.errors,
+        }
+
+
+# --- discovery -------------------------------------------------------------------------------
+
+
+def transformers_dir() -> str:
+    """The installed transformers package directory, found without importing transformers."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("transformers is not installed")
+    return next(iter(spec.submodule_search_locations))
+
+
+def modeling_modules(root: str | None = None) -> dict[str, list[str]]:
+    """{package directory: [modeling module names]} from ``transformers/models/*/modeling_*.py``.
+
+    4.x TensorFlow and Flax modules are left out: our kernels are torch code.
+    """
+    models = os.path.join(root or transformers_dir(), "models")
+    found = {}
+    for folder in sorted(os.listdir(models)):
+        path = os.path.join(models, folder)
+        if not os.path.isdir(path):
+            continue
+        names = sorted(
+            f"transformers.models.{folder}.{name[:-3]}"
+            for name in os.listdir(path)
+            if name.startswith("modeling_")
+            and name.endswith(".py")
+            and not name.startswith(("modeling_tf_", "modeling_flax_"))
+        )
+        if names:
+            found[folder] = names
+    return found
+
+
+def _kind(name: str, obj) -> str | None:
+    import torch
+
+    if isinstance(obj, type):
+        if not issubclass(obj, torch.nn.Module):
+            return None
+        if _NORM.search(name):
+            return "norm"
+        if _MOE.search(name):
+            return "moe"
+        if _MLP.search(name) and "Experts" not in name:
+            return "mlp"
+        return None
+    if callable(obj) and _ROPE.match(name):
+        return "rope"
+    return None
+
+
+def candidates(module) -> list[Candidate]:
+    """The module's targets by name: its classes' ``forward`` (and an MoE block's ``moe``), its
+    rotary functions. Classes imported from another transformers module count (4.57's
+    Qwen2.5-VL uses qwen2's norm), with the module that defines them."""
+    import torch
+
+    found = []
+    for name, obj in sorted(vars(module).items()):
+        kind = _kind(name, obj)
+        if kind is None:
+            continue
+        home = getattr(obj, "__module__", "") or ""
+        if not home.startswith("transformers."):
+            continue
+        if kind == "rope":
+            found.append(Candidate(name, kind, home))
+            continue
+        methods = ["forward"] + (["moe"] if kind == "moe" and callable(getattr(obj, "moe", None)) else [])
+        for method in methods:
+            if getattr(obj, method) is not torch.nn.Module.forward:  # a forward of its own
+                found.append(Candidate(f"{name}.{method}", kind, home))
+    return found
+
+
+def _stock(module, path):
+    owner = module
+    for part in path.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
+def probe(module, candidate: Candidate) -> Candidate:
+    """Ask each kernel of the candidate's kind whether one of its variants reproduces it."""
+    from ._patcher import stock_function
+    from .kernels import KERNELS, choose_variant
+
+    current = _stock(module, candidate.path)
+    stock = stock_function(current) or current
+    for kernel in _KERNELS_FOR[candidate.kind]:
+        try:
+            variant, reason = choose_variant(KERNELS[kernel], stock)
+        except Exception as exc:  # a probe that raised refuses the candidate, with the error
+            variant, reason = None, f"the probe raised {type(exc).__name__}: {exc}"
+        if variant is not None:
+            candidate.kernel, candidate.variant = kernel, variant.name
+            break
+        candidate.refused[kernel] = reason
+    return candidate
+
+
+def scan_module(name: str) -> tuple[ModuleScan, object]:
+    """(what the scan found in module ``name``, the module or None)."""
+    import importlib
+
+    result = ModuleScan(name)
+    try:
+        module = importlib.import_module(name)
+    except BaseException as exc:  # an optional dependency missing, or a broken module
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        result.import_error = f"{type(exc).__name__}: {_short(exc)}"
+        return result, None
+    result.candidates = [probe(module, c) for c in candidates(module)]
+    return result, module
+
+
+# --- parity of a model type ----------------------------------------------------------------------
+
+
+def model_types_of(folder: str) -> list[str]:
+    """The model types whose config class lives in ``transformers/models/<folder>``."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    types_ = []
+    for model_type in CONFIG_MAPPING_NAMES:
+        try:
+            module = CONFIG_MAPPING[model_type].__module__
+        except Exception:  # a config module that cannot be imported here
+            continue
+        if module.split(".")[-2] == folder:
+            types_.append(model_type)
+    return types_
+
+
+@contextlib.contextmanager
+def counting_targets(module, paths, npu):
+    """Count, per target (class method or module function), its calls while the block runs and
+    the torch_npu op calls made inside them: a target that ran without calling an op ran the
+    stock code (a per-instance fallback, e.g. a GELU MLP)."""
+    calls, fused = collections.Counter(), collections.Counter()
+    restore = []
+    for path in paths:
+        *owner_path, attr = path.split(".")
+        owner = module
+        for part in owner_path:
+            owner = getattr(owner, part)
+        had_own = not isinstance(owner, type) or attr in vars(owner)
+        original = vars(owner)[attr] if isinstance(owner, type) and had_own else getattr(owner, attr)
+
+        def counted(*args, _original=original, _path=path, **kwargs):
+            calls[_path] += 1
+            before = npu.calls.total()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                fused[_path] += npu.calls.total() - before
+
+        setattr(owner, attr, counted)
+        restore.append((owner, attr, original, had_own))
+    try:
+        yield calls, fused
+    finally:
+        for owner, attr, original, had_own in reversed(restore):
+            if had_own:
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)
+
+
+def _fused(counter) -> dict[str, int]:
+    return {op: n for op, n in sorted(counter.items()) if n}
+
+
+def check_model(model_type: str, module, confirmed: list[Candidate], npu, dtypes=DTYPES) -> ModelScan:
+    """Build the tiny model of ``model_type`` and compare it stock and patched (each dtype).
+
+    A tiny model that cannot be built or whose stock training step fails is an error of the
+    model type (not tested), not a parity failure.
+    """
+    import torch
+
+    from .testing import tiny
+
+    result = ModelScan(model_type, module.__name__)
+    result.targets = [f"{c.kernel}:{c.path}" for c in confirmed]
+    for dtype_name in dtypes:
+        begin = time.perf_counter()
+        step = "tiny model"
+        try:
+            model = tiny.tiny_model(model_type, getattr(torch, dtype_name))
+            result.model_class = type(model).__name__
+            if type(model).__module__ != module.__name__:
+                result.error = f"the model class lives in {type(model).__module__}"
+                return result
+            step = "tiny inputs"
+            inputs, labels = tiny.model_inputs(model)
+            step = f"stock training step ({dtype_name})"
+            stock = _step(model, inputs, labels)
+        except Exception as exc:
+            result.error = f"{step}: {type(exc).__name__}: {_short(exc)}"
+            result.parity = []
+            return result
+        parity, ran = _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dtype_name)
+        result.ran = result.ran or ran
+        if _borderline(parity):
+            parity.other_batches = _other_batches(model_type, module, confirmed, model, npu, dtype_name)
+            parity.passed = all(parity.other_batches)
+        parity.seconds = round(time.perf_counter() - begin, 3)
+        result.parity.append(parity)
+    return result
+
+
+# The global RNG seed of every training step: a model that draws random numbers in training
+# (dropout the shrinking missed, DINOv3's rotary jitter) draws the same ones stock and patched,
+# since the kernels draw none.
+_STEP_SEED = 0
+
+
+def _step(model, inputs, labels):
+    """tiny.forward_backward with the RNG seeded, leaving the caller's RNG state as it was."""
+    import torch
+
+    from .testing import tiny
+
+    with torch.random.fork_rng():
+        torch.manual_seed(_STEP_SEED)
+        return tiny.forward_backward(model, inputs, labels)
+
+
+# Batches (input seeds) tried when a bf16 run is beyond tolerance on the first one only.
+_OTHER_SEEDS = (2, 3)
+
+
+def _borderline(parity: Parity) -> bool:
+    """A bf16 run that completed, with every gradient reached, beyond tolerance somewhere."""
+    return (
+        parity.dtype == "bfloat16"
+        and not parity.passed
+        and parity.error is None
+        and parity.state == "applied"
+        and all(m.startswith("over tolerance") for m in parity.missing_grads)
+    )
+
+
+def _other_batches(model_type, module, confirmed, model, npu, dtype_name) -> list[bool]:
+    """Whether patched matches stock on two other batches.
+
+    In bf16 a fused kernel that rounds once where the eager code rounds twice can tip a
+    near-tie: an MoE router picks another expert for one token (OLMoE on the first tiny
+    batch: one token of 16 in layer 1), and that expert's gradient is then far from stock.
+    A kernel whose math differs fails on every batch; a tie is an accident of one.
+    """
+    from .testing import tiny
+
+    passed = []
+    for seed in _OTHER_SEEDS:
+        inputs, labels = tiny.model_inputs(model, seed)
+        stock = _step(model, inputs, labels)
+        parity, _ran = _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dtype_name)
+        passed.append(parity.passed)
+    return passed
+
+
+# A gradient that is zero in exact arithmetic (the key bias of softmax attention) is rounding
+# noise in both runs; relative to its own size the difference is meaningless. A gradient below
+# this fraction of the model's largest one, stock and patched, counts as zero in both.
+NOISE_FLOOR = 1e-6
+
+
+def _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dtype_name):
+    """(Parity, {target path: [calls, op calls inside]}) of one patched run against ``stock``."""
+    import torch
+
+    import npu_autopatch
+
+    from ._types import Target
+    from .models import MODELS
+    from .testing import tiny
+    from .testing.parity import TOLERANCE, ParityReport, compare
+
+    key = f"scan:{model_type}"
+    targets = [Target(c.kernel, c.path) for c in confirmed]
+    paths = [c.path for c in confirmed]
+    try:
+        npu_autopatch.register(key, targets=targets, module=module.__name__, replace=True)
+        npu_autopatch.enable(models=[key])
+        record = npu_autopatch.status()[key]
+        model.zero_grad(set_to_none=True)
+        with torch.random.fork_rng(), counting_targets(module, paths, npu) as (calls, fused):
+            torch.manual_seed(_STEP_SEED)
+            before = collections.Counter(npu.calls)
+            output = tiny.main_output(model(**inputs))
+            middle = collections.Counter(npu.calls)
+            patched = tiny.backward(model, output, labels)
+            after = collections.Counter(npu.calls)
+    except Exception as exc:
+        return Parity(dtype_name, False, error=f"patched run: {type(exc).__name__}: {_short(exc)}"), {}
+    finally:
+        npu_autopatch.disable()
+        MODELS.pop(key, None)  # no unregister() yet: the scan's own entry goes with the run
+    tolerance = TOLERANCE[getattr(torch, dtype_name)]
+    report = ParityReport(
+        model_type, dtype_name, record.state, record.reason, record.kernels, tolerance=tolerance
+    )
+    # parity.relative_error cannot take an empty tensor (DINOv3's zero register tokens)
+    stock, patched = _non_empty(stock), _non_empty(patched)
+    try:
+        compare(report, stock, patched)
+        over, noise = _over_tolerance(report, stock[1], patched[1])
+        rounding = _closer_to_fp32(model, inputs, labels, over, stock, patched, tolerance) if over else []
+    except Exception as exc:  # e.g. a patched gradient of another shape than stock's
+        return Parity(dtype_name, False, error=f"comparison: {type(exc).__name__}: {_short(exc)}"), {}
+    over = [name for name in over if name not in rounding]
+    parity = Parity(
+        dtype_name,
+        record.state == "applied" and not report.missing_grads and not over,
+        state=record.state,
+        reason=record.reason,
+        logits_error=report.logits_error,
+        grad_error=report.grad_error,
+        worst_tensor=report.worst_tensor,
+        missing_grads=list(report.missing_grads) + [f"over tolerance: {name}" for name in over],
+        noise_level=noise,
+        rounding=rounding,
+        forward_ops=_fused(middle - before),
+        backward_ops=_fused(after - middle),
+    )
+    return parity, {path: [calls[path], fused[path]] for path in paths}
+
+
+def _non_empty(run):
+    """(output, gradients) without the gradients of empty parameters."""
+    output, grads = run
+    return output, {name: g for name, g in grads.items() if g is None or g.numel()}
+
+
+def _closer_to_fp32(model, inputs, labels, over, stock, patched, tolerance) -> list[str]:
+    """The tensors of ``over`` that are beyond tolerance only because stock bf16 rounds more.
+
+    A fused kernel rounds once where the eager code rounds after every op, so in bf16 the
+    patched result can be closer to the exact one than stock is (OLMoE's experts: stock bf16 is
+    3e-1 away from fp32, patched the same distance from stock and close to fp32). Such a tensor
+    is accepted when patched is no further from the fp32 run of the same weights and inputs
+    than stock bf16 is, plus the tolerance.
+    """
+    import copy
+
+    import torch
+
+    from .testing.parity import relative_error
+
+    if next(model.parameters()).dtype != torch.bfloat16:
+        return []
+    reference = copy.deepcopy(model).float()
+    ref_inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+    exact = _step(reference, ref_inputs, labels)
+    accepted = []
+    for name in over:
+        if name == "logits":
+            got, want, truth = patched[0], stock[0], exact[0]
+        else:
+            param = name.removeprefix("grad of ")
+            got, want, truth = patched[1][param], stock[1][param], exact[1].get(param)
+            if truth is None:
+                continue
+        if relative_error(got, truth) <= relative_error(want, truth) + tolerance:
+            accepted.append(name)
+    return accepted
+
+
+def _over_tolerance(report, stock_grads, patched_grads):
+    """(tensors beyond tolerance, gradients that are zero up to rounding in both runs)."""
+    largest = max((g.abs().max().item() for g in stock_grads.values() if g is not None), default=0.0)
+    floor = NOISE_FLOOR * largest
+    over, noise = [], []
+    for name in report.over_tolerance:
+        param = name.removeprefix("grad of ")
+        expected = stock_grads.get(param) if name.startswith("grad of ") else None
+        got = patched_grads.get(param)
+        if expected is not None and got is not None and max(expected.abs().max(), got.abs().max()) < floor:
+            noise.append(param)
+        else:
+            over.append(name)
+    return over, noise
+
+
+# --- the worker (one child process, a few package directories) ----------------------------------
+
+
+def _worker(folders: list[str], dtypes, parity: bool) -> None:
+    """Scan these package directories and print one JSON line per module and per model type."""
+    import torch
+
+    torch.set_num_threads(1)
+    from .testing import stand_in
+
+    layout = modeling_modules()
+    with stand_in() as npu:
+        for folder in folders:
+            scanned = {}
+            for name in layout.get(folder, ()):
+                result, module = scan_module(name)
+                scanned[name] = (result, module)
+                _emit("module", asdict(result))
+            if parity:
+                for model_type in model_types_of(folder):
+                    _emit("model", asdict(_check_type_safely(model_type, scanned, npu, dtypes)))
+            _emit("done", {"folder": folder})
+
+
+def _check_type_safely(model_type, scanned, npu, dtypes) -> ModelScan:
+    """_check_type, with whatever it raises recorded on the model type instead of ending the child."""
+    try:
+        return _check_type(model_type, scanned, npu, dtypes)
+    except Exception as exc:
+        return ModelScan(model_type, error=f"scan error: {type(exc).__name__}: {_short(exc)}")
+
+
+def _check_type(model_type, scanned, npu, dtypes) -> ModelScan:
+    """Find the model type's modeling module (its model class's) and run its parity."""
+    from .testing import tiny
+
+    try:
+        config = tiny.tiny_config(model_type)
+        trained = tiny.trained_config(config)
+        found = tiny.model_class(trained, by_name=trained is not config)
+    except Exception as exc:
+        return ModelScan(model_type, error=f"tiny config: {type(exc).__name__}: {_short(exc)}")
+    if found is None:
+        return ModelScan(model_type, error="no auto model class takes its config")
+    name = found[1].__module__
+    result, module = scanned.get(name, (None, None))
+    if module is None:
+        return ModelScan(model_type, name, found[1].__name__, error="its modeling module did not import")
+    confirmed = result.confirmed
+    if not confirmed:
+        return ModelScan(model_type, name, found[1].__name__, error="no target confirmed by the probes")
+    return check_model(model_type, module, confirmed, npu, dtypes)
+
+
+def _emit(kind, payload) -> None:
+    print(json.dumps({"kind": kind, **payload}, default=str), flush=True)
+
+
+def _short(exc, limit=300) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- the whole scan ------------------------------------------------------------------------------
+
+
+def scan(
+    folders: list[str] | None = None,
+    dtypes=DTYPES,
+    parity: bool = True,
+    python: str | None = None,
+    progress=None,
+) -> ScanResult:
+    """Scan the installed transformers (or only ``folders``), in child processes."""
+    import importlib.metadata
+
+    begin = time.perf_counter()
+    layout = modeling_modules()
+    todo = [f for f in (folders or layout) if f in layout]
+    modules, models, errors = [], [], {}
+    for start in range(0, len(todo), _BATCH_DIRS):
+        batch = todo[start : start + _BATCH_DIRS]
+        for line in _run_batch(batch, dtypes, parity, python or sys.executable):
+            if line["kind"] == "module":
+                modules.append(_module_from(line))
+            elif line["kind"] == "model":
+                models.append(_model_from(line))
+            elif line["kind"] == "error":
+                errors[line["folder"]] = line["error"]
+        if progress is not None:
+            progress(f"{min(start + _BATCH_DIRS, len(todo))}/{len(todo)} directories")
+    version = importlib.metadata.version("transformers")
+    seconds = round(time.perf_counter() - begin, 1)
+    return ScanResult(version, modules, models, seconds, tuple(dtypes), errors)
+
+
+def _run_batch(batch, dtypes, parity, python) -> list[dict]:
+    """The JSON lines of one child. A child that dies or hangs is started again on the
+    directories after the one it was in, which gets an ``error`` line."""
+    lines, pending = [], list(batch)
+    while pending:
+        command = [python, "-m", "npu_autopatch._scan", "--worker", "--dtype", ",".join(dtypes)]
+        command += ([] if parity else ["--no-parity"]) + pending
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_AUTOPATCH")}
+        env["TRANSFORMERS_VERBOSITY"] = "error"
+        try:
+            run = subprocess.run(command, capture_output=True, text=True, timeout=_CHILD_TIMEOUT, env=env)
+            out, failure = run.stdout, None if run.returncode == 0 else f"exit status {run.returncode}"
+            detail = run.stderr
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            failure, detail = f"no answer within {_CHILD_TIMEOUT} s", ""
+        got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        lines += got
+        if failure is None:
+            break
+        done = {line["folder"] for line in got if line["kind"] == "done"}
+        culprit = next((f for f in pending if f not in done), pending[-1])
+        message = f"the scan's child process died in this directory ({failure}): {_short(detail[-600:])}"
+        lines.append({"kind": "error", "folder": culprit, "error": message})
+        pending = pending[pending.index(culprit) + 1 :]
+    return lines
+
+
+def from_dict(data: dict) -> ScanResult:
+    """The ScanResult of a ``--json`` output, to render it again (``markdown(from_dict(...))``)."""
+    return ScanResult(
+        data["transformers"],
+        [_module_from(m) for m in data["modules"]],
+        [_model_from(m) for m in data["models"]],
+        data["seconds"],
+        tuple(data["dtypes"]),
+        data.get("errors", {}),
+    )
+
+
+def _module_from(line) -> ModuleScan:
+    candidates = [Candidate(**c) for c in line.get("candidates", [])]
+    return ModuleScan(line["module"], line.get("import_error"), candidates)
+
+
+def _model_from(line) -> ModelScan:
+    line = {k: v for k, v in line.items() if k != "kind"}
+    line["parity"] = [Parity(**p) for p in line.get("parity", [])]
+    return ModelScan(**line)
+
+
+# --- rendering ----------------------------------------------------------------------------------
+
+
+def counts(result: ScanResult) -> dict[str, int]:
+    confirmed = [c for m in result.modules for c in m.confirmed]
+    with_candidates = [m for m in result.modules if m.candidates]
+    by_kernel = collections.Counter(c.kernel for c in confirmed)
+    tested = [m for m in result.models if m.parity]
+    return {
+        "modules": len(result.modules),
+        "import_errors": sum(m.import_error is not None for m in result.modules),
+        "modules_with_candidates": len(with_candidates),
+        "modules_with_targets": sum(bool(m.confirmed) for m in result.modules),
+        "candidates": sum(len(m.candidates) for m in result.modules),
+        "targets": len(confirmed),
+        **{f"targets_{k}": by_kernel[k] for k in ("rms_norm", "gated_rms_norm", "swiglu", "rope", "moe")},
+        "model_types": len(result.models),
+        "model_types_tested": len(tested),
+        "model_types_passed": sum(m.passed for m in tested),
+    }
+
+
+def summary(result: ScanResult) -> str:
+    """The one line the README quotes."""
+    c = counts(result)
+    return (
+        f"transformers {result.transformers}: {c['modules']} modeling modules, "
+        f"{c['modules_with_targets']} with a target our kernels reproduce ({c['targets']} targets: "
+        f"{c['targets_rms_norm']} rms_norm, {c['targets_gated_rms_norm']} gated_rms_norm, "
+        f"{c['targets_swiglu']} swiglu, {c['targets_rope']} rope, {c['targets_moe']} moe); "
+        f"{c['model_types_passed']} of {c['model_types_tested']} model types with targets pass parity "
+        f"on the CPU stand-in ({'+'.join(result.dtypes)})"
+    )
+
+
+def _parity_cell(model: ModelScan) -> str:
+    if model.error:
+        return f"not run: {model.error}"
+    cells = []
+    for p in model.parity:
+        if p.passed:
+            cells.append(f"{p.dtype} pass")
+        else:
+            why = p.error or p.reason or ", ".join(p.missing_grads[:2]) or p.worst_tensor
+            cells.append(f"{p.dtype} FAIL ({why})")
+    return "; ".join(cells)
+
+
+def _ran_cell(model: ModelScan) -> str:
+    """Which targets the tiny model did not exercise, or ran without calling a fused op."""
+    never = [path for path, (calls, _ops) in model.ran.items() if calls == 0]
+    stock = [path for path, (calls, ops) in model.ran.items() if calls and not ops]
+    notes = (["never: " + ", ".join(never)] if never else []) + (
+        ["ran stock code: " + ", ".join(stock)] if stock else []
+    )
+    return "; ".join(notes) or ("all, fused" if model.ran else "")
+
+
+def _ops_cell(model: ModelScan) -> str:
+    first = next((p for p in model.parity if p.forward_ops), None)
+    return ", ".join(f"{op.removeprefix('npu_')} {n}" for op, n in first.forward_ops.items()) if first else ""
+
+
+def markdown(result: ScanResult) -> str:
+    """The scan as markdown: the summary line, the model types, the refused candidates."""
+    lines = [f"# npu-autopatch scan of transformers {result.transformers}", "", summary(result), ""]
+    lines += [
+        "## Model types with a target our kernels reproduce",
+        "",
+        "| model type | module | targets (kernel: path) | ran in the tiny model | parity "
+        "| fused ops per forward |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model in sorted(result.models, key=lambda m: m.model_type):
+        if not model.targets:
+            continue
+        ran = _ran_cell(model)
+        targets = "<br>".join(f"`{t}`" for t in model.targets)
+        module = (model.module or "").removeprefix("transformers.models.")
+        cells = (model.model_type, module, targets, ran, _parity_cell(model), _ops_cell(model))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Candidates no kernel reproduces",
+        "",
+        "| module | candidate | why not |",
+        "|---|---|---|",
+    ]
+    for module in result.modules:
+        for c in module.candidates:
+            if c.kernel is None:
+                why = "; ".join(f"{k}: {r}" for k, r in c.refused.items())
+                lines.append(f"| {module.module.removeprefix('transformers.models.')} | `{c.path}` | {why} |")
+    failed = [m for m in result.modules if m.import_error]
+    if failed:
+        lines += ["", "## Modules that did not import", ""]
+        lines += [f"- {m.module}: {m.import_error}" for m in failed]
+    if result.errors:
+        lines += ["", "## Directories whose scan died", ""]
+        lines += [f"- {folder}: {error}" for folder, error in result.errors.items()]
+    lines += ["", f"Scanned in {result.seconds:.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(result: ScanResult) -> str:
+    return json.dumps(result.as_dict(), indent=1, default=str)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m npu_autopatch scan``; exit status 1 if a model type with targets fails parity."""
+    parser = argparse.ArgumentParser(prog="python -m npu_autopatch scan", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--dirs", help="comma list of transformers/models directories (default: all)")
+    parser.add_argument("--dtype", default=",".join(DTYPES), help="comma list: float32,bfloat16")
+    parser.add_argument("--no-parity", action="store_true", help="probe the candidates only")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("folders", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    dtypes = tuple(d.strip() for d in args.dtype.split(",") if d.strip())
+    if args.worker:
+        _worker(args.folders, dtypes, not args.no_parity)
+        return 0
+    folders = [f.strip() for f in args.dirs.split(",")] if args.dirs else None
+    result = scan(folders, dtypes, not args.no_parity, progress=lambda m: print(m, file=sys.stderr))
+    print(to_json(result) if args.json else markdown(result))
+    return 1 if any(m.parity and not m.passed for m in result.models) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

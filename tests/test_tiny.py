@@ -14,7 +14,7 @@ import transformers
 import npu_autopatch
 from npu_autopatch.models import BUILTIN, MODELS
 from npu_autopatch.testing import tiny
-from npu_autopatch.testing.parity import TOLERANCE, ParityReport, compare
+from npu_autopatch.testing.parity import TOLERANCE, ParityReport, compare, use_patched_experts
 
 V4 = int(transformers.__version__.split(".")[0]) < 5
 
@@ -247,6 +247,7 @@ def patched_vs_stock(model, model_type, dtype, npu, seed=1):
     npu_autopatch.enable(models=[model_type])
     try:
         record = npu_autopatch.status()[model_type]
+        use_patched_experts(model, model_type)
         npu.calls.clear()
         patched = tiny.forward_backward(model, inputs, labels)
     finally:

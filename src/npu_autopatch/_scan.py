@@ -216,7 +216,7 @@ def _stock(module, path):
 
 def probe(module, candidate: Candidate) -> Candidate:
     """Ask each kernel of the candidate's kind whether one of its variants reproduces it."""
-    from ._patcher import stock_function
+    from ._ledger import stock_function
     from .kernels import KERNELS, choose_variant
 
     current = _stock(module, candidate.path)
@@ -410,9 +410,8 @@ def _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dt
     import npu_autopatch
 
     from ._types import Target
-    from .models import MODELS
     from .testing import tiny
-    from .testing.parity import TOLERANCE, ParityReport, compare
+    from .testing.parity import TOLERANCE, ParityReport, compare, use_patched_experts
 
     key = f"scan:{model_type}"
     targets = [Target(c.kernel, c.path) for c in confirmed]
@@ -421,6 +420,7 @@ def _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dt
         npu_autopatch.register(key, targets=targets, module=module.__name__, replace=True)
         npu_autopatch.enable(models=[key])
         record = npu_autopatch.status()[key]
+        use_patched_experts(model, key)
         model.zero_grad(set_to_none=True)
         with torch.random.fork_rng(), counting_targets(module, paths, npu) as (calls, fused):
             torch.manual_seed(_STEP_SEED)
@@ -433,7 +433,7 @@ def _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dt
         return Parity(dtype_name, False, error=f"patched run: {type(exc).__name__}: {_short(exc)}"), {}
     finally:
         npu_autopatch.disable()
-        MODELS.pop(key, None)  # no unregister() yet: the scan's own entry goes with the run
+        npu_autopatch.unregister(key)
     tolerance = TOLERANCE[getattr(torch, dtype_name)]
     report = ParityReport(
         model_type, dtype_name, record.state, record.reason, record.kernels, tolerance=tolerance

@@ -1,4 +1,4 @@
-"""``python -m npu_autopatch status|check|verify|models``: what is patched here, and does it hold.
+"""``python -m npu_autopatch status|check|verify|models|scan``: what is patched here, and does it hold.
 
 status  the environment and the state of every supported model in this process.
 check   enable patching, import every supported modeling module, print the same table;
@@ -6,6 +6,8 @@ check   enable patching, import every supported modeling module, print the same 
         for torch_npu (npu_autopatch.testing), so it runs on any machine.
 verify  stock vs patched parity on tiny random models, per model (see verify.py).
 models  the supported models, kernels and targets as a markdown table (the README's).
+scan    every modeling module of the installed transformers: which code the kernels
+        reproduce, and parity of each model type's tiny model (see _scan.py).
 """
 
 from __future__ import annotations
@@ -140,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         help="use the CPU stand-in (with --device cpu); PROFILE: the torch_npu release it models "
         "(a2-newest, the default; a2-2.7.1; a2-2.6.0)",
     )
+    commands.add_parser("scan", help="what the kernels reproduce in the installed transformers (scan --help)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["scan"]:  # its own parser and options
+        from . import _scan
+
+        return _scan.main(argv[1:])
     args = parser.parse_args(argv)
 
     if args.command == "verify":

@@ -53,6 +53,23 @@ def test_register_refuses_an_existing_model_unless_replace(npu_stand_in, registr
     assert npu_autopatch.status()["qwen3"].kernels == ("rms_norm",)
 
 
+def test_a_target_newer_than_the_installed_transformers_is_left_out(npu_stand_in, registry):
+    """Target(since=...): older releases do not have that code; the model is whole without it."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    targets = [
+        *GRANITE,
+        Target("moe", "GraniteMoeFromTheFuture.forward", since=f"{major + 1}.0"),
+        Target("swiglu", "GraniteMLP.forward", since=f"{major}.0"),
+    ]
+    npu_autopatch.register("granite_next", targets=targets, module=modeling_granite.__name__)
+    npu_autopatch.enable(models=["granite_next"])
+    record = npu_autopatch.status()["granite_next"]
+    assert record.state == "applied", record.reason
+    assert "moe" not in record.kernels and record.kernels == ("rms_norm", "swiglu", "rope")
+
+
 def test_a_custom_kernel_function(npu_stand_in, registry):
     registry.pop("granite", None)
 

@@ -24,6 +24,7 @@ joins a thread and writes its log lines after letting go of the package lock (_l
 """
 
 import contextlib
+import sys
 
 from . import _device, _experts, _ledger, _log
 from ._records import PatchError, PatchRecord, ReasonCode, State
@@ -284,6 +285,14 @@ def _demote(key, built, exc, tensors):
     _log.warning(f"{models}: {text}; that target runs stock from now on")
 
 
+def _transformers_has(release):
+    """Whether the imported transformers is ``release`` ("5.0") or newer."""
+    installed = sys.modules["transformers"].__version__.split(".")[:2]
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in installed) >= tuple(
+        int(part) for part in release.split(".")
+    )
+
+
 def _plan(model, module, config, generation):
     """Resolve, check, probe and build every selected target; swap nothing.
 
@@ -296,6 +305,7 @@ def _plan(model, module, config, generation):
     if model.load is not None and not targets:
         targets = model.targets = _load_plugin(model)
     steps, placed, stock = [], [], {}
+    targets = [t for t in targets if t.since is None or _transformers_has(t.since)]
     selected = [t for t in targets if config.kernels is None or t.kernel_name in config.kernels]
     if not selected:
         raise _Skip("no-kernel-selected", "none of its kernels is selected")

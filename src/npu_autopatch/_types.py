@@ -51,17 +51,23 @@ class Kernel:
 
 
 class Target:
-    """One attribute to replace: a kernel (a built-in name or a Kernel) and where it may live."""
+    """One attribute to replace: a kernel (a built-in name or a Kernel) and where it may live.
 
-    __slots__ = ("kernel", "paths")
+    ``since``: the first transformers release whose code this kernel reproduces (e.g. 5.x's fused
+    ``*Experts`` where 4.x's sparse block is a different computation). Older releases leave the
+    target out of the model altogether, rather than reporting a target the kernel cannot take.
+    """
 
-    def __init__(self, kernel, *paths):
+    __slots__ = ("kernel", "paths", "since")
+
+    def __init__(self, kernel, *paths, since=None):
         if not isinstance(kernel, Kernel) and kernel not in KERNEL_NAMES:
             raise ValueError(f"unknown kernel {kernel!r}; built in: {', '.join(KERNEL_NAMES)}")
         if not paths:
             raise ValueError("a Target needs at least one path, e.g. 'MyModelRMSNorm.forward'")
         self.kernel = kernel
         self.paths = paths
+        self.since = since
 
     @property
     def kernel_name(self):

@@ -16,7 +16,7 @@ import textwrap
 import torch
 import transformers
 
-from npu_autopatch import _scan
+from npu_autopatch import _candidates, _scan
 from npu_autopatch.testing.parity import ParityReport
 
 from .conftest import run_python
@@ -28,8 +28,8 @@ def test_modeling_modules_come_from_the_package_directory_without_importing_it()
     child = run_python(
         """
         import json, sys
-        from npu_autopatch import _scan
-        layout = _scan.modeling_modules()
+        from npu_autopatch import _candidates
+        layout = _candidates.modeling_modules()
         print(json.dumps({"layout": layout, "imported": "transformers" in sys.modules}))
         """
     )
@@ -41,7 +41,7 @@ def test_modeling_modules_come_from_the_package_directory_without_importing_it()
     assert len(layout["data2vec"]) == 3  # audio, text and vision modules in one directory
     names = [name for names in layout.values() for name in names]
     assert not [n for n in names if ".modeling_tf_" in n or ".modeling_flax_" in n]
-    models = os.path.join(_scan.transformers_dir(), "models")
+    models = os.path.join(_candidates.transformers_dir(), "models")
     on_disk = {
         f"transformers.models.{folder}.{name[:-3]}"
         for folder in os.listdir(models)

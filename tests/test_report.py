@@ -109,6 +109,30 @@ def test_a_model_outside_the_table_is_flagged_with_what_the_probes_say():
     assert report.counts["modules_ours"] == 0
 
 
+def test_a_patched_mlp_instance_with_another_activation_is_reported_running_stock():
+    with stand_in() as npu:
+        npu_autopatch.enable()
+        model = tiny_model("qwen3")
+        model.model.layers[0].mlp.act_fn = torch.nn.GELU()  # our swiglu leaves it to the stock code
+        report = npu_autopatch.report(model)
+        ops = _forward_ops(model, npu)
+    mlp = _entry(report, "Qwen3MLP")
+    assert (mlp.origin, mlp.runs) == ("ours", {"stock": 1, "ours": 1})
+    (flag,) = report.flags
+    assert (flag.kind, flag.instances) == ("stock", ["model.layers.0.mlp"])
+    assert "activation is GELU, not SiLU" in flag.message
+    assert ops["npu_swiglu"] == 1
+
+
+def test_an_untargeted_gelu_mlp_is_flagged_with_its_activation():
+    with stand_in():
+        npu_autopatch.enable()
+        report = npu_autopatch.report(tiny_model("gemma3"))
+    (flag,) = _flags(report, "stock", "Gemma3MLP")
+    assert "not one of its targets" in flag.message and "activation is GELUTanh, not SiLU" in flag.message
+    assert _entry(report, "Gemma3RMSNorm").origin == "ours"
+
+
 def test_a_kernel_left_out_by_enable_leaves_the_mlps_stock_with_the_reason():
     with stand_in() as npu:
         npu_autopatch.enable(kernels=["rms_norm", "rope"])
@@ -135,6 +159,20 @@ def test_a_moe_kernel_the_device_profile_gates_off_is_flagged_with_its_requireme
     assert _entry(report, experts).origin == "stock"
     assert "npu_grouped_matmul" not in ops and ops["npu_rms_norm"] > 0
     assert not _flags(report, "stock")  # the 5.x block only routes: its experts module is the one flagged
+
+
+def test_deepseek_v3s_routed_experts_are_ours_on_both_majors():
+    with stand_in() as npu:
+        npu_autopatch.enable()
+        model = tiny_model("deepseek_v3")
+        report = npu_autopatch.report(model)
+        ops = _forward_ops(model, npu)
+    # 4.x: the block's ``moe`` method is replaced; 5.x: the fused experts run through the interface.
+    experts = _entry(report, "DeepseekV3MoE" if V4 else "DeepseekV3Experts")
+    assert (experts.origin, experts.kernel) == ("ours", "moe")
+    assert experts.via == ("moe" if V4 else "experts interface 'npu_grouped_mm'")
+    assert report.flags == []
+    assert ops["npu_grouped_matmul"] > 0
 
 
 @pytest.mark.skipif(V4, reason="transformers 5.x experts interface")

@@ -165,9 +165,13 @@ def _runs(entry: ModuleEntry) -> str:
 # --- what a piece of code is -------------------------------------------------------------
 
 
-def _ours():
-    """{id(replacement): kernel name} of every replacement in the ledger now."""
-    return {id(slot.replacement): slot.kernel for slot in STATE.slots.values() if slot.kernel is not None}
+class _Ours:
+    """Our kernels' slots in the ledger, read once under the lock: what counts as ours."""
+
+    def __init__(self):
+        with STATE.lock:
+            self.slots = [slot for slot in STATE.slots.values() if slot.kernel is not None]
+        self.kernels = {id(slot.replacement): slot.kernel for slot in self.slots}
 
 
 def _function(obj):
@@ -197,8 +201,8 @@ def _origin(obj, ours) -> tuple[str, str, str | None]:
     function = _function(obj)
     for _ in range(8):
         module = _defined_by(function)
-        if id(function) in ours:
-            return OURS, module, ours[id(function)]
+        if id(function) in ours.kernels:
+            return OURS, module, ours.kernels[id(function)]
         wrapped = getattr(function, "__wrapped__", None)
         if module.startswith("npu_autopatch.") and wrapped is not None:
             return OURS, module, None  # a replacement disable() took out of its class, still referenced
@@ -237,10 +241,9 @@ def _class_origin(cls, ours):
     """(origin, via, defined_by, kernel) of a class's code: its forward, or another method we replaced."""
     origin, defined_by, kernel = _origin(cls.forward, ours)
     if origin != OURS:
-        for slot in STATE.slots.values():  # a method other than forward (4.x DeepSeek-V3's ``moe``)
+        for slot in ours.slots:  # a method other than forward (4.x DeepSeek-V3's ``moe``)
             if (
-                slot.kernel is not None
-                and isinstance(slot.owner, type)
+                isinstance(slot.owner, type)
                 and issubclass(cls, slot.owner)
                 and slot.attr != "forward"
                 and slot.current() is slot.replacement
@@ -336,11 +339,14 @@ def _short(text, limit=160):
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _stock_flag(subject, where, module, path, kind, records):
+def _stock_flag(subject, where, module, path, kind, records, instance=None):
     code, text = _reason_for(where, module, records)
     if code is None and text.endswith(("not one of its targets", "not in the model table")):
         try:
             text = f"{text}; {_probe_note(module, path, kind)}"
+            act = _other_activation(instance) if kind == "mlp" and instance is not None else None
+            if act is not None and "the probes say" in text:
+                text += f"; but its activation is {act}, not SiLU: that kernel would run the stock code"
         except Exception as exc:  # a probe that raises says nothing about the model itself
             text = f"{text}; the probe raised {type(exc).__name__}: {exc}"
     if code in _GATED:
@@ -355,8 +361,7 @@ def report(model) -> CoverageReport:
     """What ``model`` (a live ``torch.nn.Module``) runs: ours, stock or foreign, per class and
     rotary function, and the flags (see this module's docstring)."""
     records = _control.status()
-    with STATE.lock:
-        ours = _ours()
+    ours = _Ours()
     groups: dict[type, list[tuple[str, object]]] = {}
     for name, instance in model.named_modules(remove_duplicate=True):
         groups.setdefault(type(instance), []).append((name or "<root>", instance))
@@ -377,7 +382,15 @@ def report(model) -> CoverageReport:
             where = f"{cls.__module__}:{cls.__qualname__}.forward"
             path = f"{cls.__qualname__}.forward"
             flags.append(
-                _stock_flag(cls.__qualname__, where, modeling[cls.__module__], path, entry.kind, records)
+                _stock_flag(
+                    cls.__qualname__,
+                    where,
+                    modeling[cls.__module__],
+                    path,
+                    entry.kind,
+                    records,
+                    instances[0][1],
+                )
             )
     functions = []
     for module_name, module in modeling.items():
@@ -400,6 +413,17 @@ def report(model) -> CoverageReport:
     )
 
 
+def _other_activation(instance):
+    """The activation class name of an MLP instance that is not SiLU (the swiglu kernel then runs
+    the stock code for it, per instance), else None."""
+    from .kernels.mlp import _silu_types
+
+    act = getattr(instance, "act_fn", None) or getattr(instance, "activation_fn", None)
+    if act is None or type(act) in _silu_types():
+        return None
+    return type(act).__name__
+
+
 def _holds_experts(instance):
     """Whether an MoE-looking module contains another MoE-looking module (5.x: block -> experts)."""
     return any(
@@ -419,11 +443,15 @@ def _entry(cls, instances, ours):
     if not is_experts:
         origin, via, defined_by, kernel = _class_origin(cls, ours)
     runs = collections.Counter()
-    captured: dict[tuple[str, str], list[str]] = {}
+    captured: dict[tuple[str, str, str], list[str]] = {}
+    fallback: dict[str, list[str]] = {}  # activation -> instances our swiglu leaves to the stock code
     for name, instance in instances:
         if is_experts:
             origin, via, defined_by, kernel = _experts_origin(instance, forward, ours)
         runs_origin = origin
+        if origin == OURS and kernel == "swiglu" and _other_activation(instance):
+            runs_origin = STOCK
+            fallback.setdefault(_other_activation(instance), []).append(name)
         inner = _captured(instance)
         if inner is not None:
             inner_origin, inner_module, _kernel = _origin(inner, ours)
@@ -454,6 +482,9 @@ def _entry(cls, instances, ours):
             ),
         }[kind_of]
         flags.append(Flag(kind_of, cls.__qualname__, f"{len(names)} instance(s): {message}", None, names))
+    for act, names in fallback.items():
+        message = f"{len(names)} instance(s) run stock code: their activation is {act}, not SiLU"
+        flags.append(Flag("stock", cls.__qualname__, message, None, names))
     entry = ModuleEntry(
         cls.__qualname__, cls.__module__, len(instances), origin, via, defined_by, kind, kernel, dict(runs)
     )

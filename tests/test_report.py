@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 from accelerate import cpu_offload, dispatch_model
+from accelerate.hooks import remove_hook_from_module
 from accelerate.utils import imports as accelerate_imports
 
 import npu_autopatch
@@ -209,6 +210,17 @@ def test_cpu_offload_before_enable_is_flagged_captured_and_really_runs_stock(acc
     assert norm.origin == "ours" and norm.runs == {"stock": 9}
     assert "npu_rms_norm" not in ops  # the class is patched, yet no hooked instance calls the kernel
     assert ops["npu_swiglu"] == 2  # the MLPs hold no weights of their own: not hooked, so ours
+
+    # remove_hook_from_module puts the captured bound method back on the instance: still stock.
+    remove_hook_from_module(model, recurse=True)
+    (flag,) = npu_autopatch.report(model).flags
+    assert (flag.kind, flag.subject) == ("captured-before-patching", "Qwen3RMSNorm")
+    assert "npu_rms_norm" not in _forward_ops(model, npu)
+    # Deleting the instance attribute lets the class's (patched) forward through.
+    for module in model.modules():
+        vars(module).pop("forward", None)
+    assert npu_autopatch.report(model).flags == []
+    assert _forward_ops(model, npu)["npu_rms_norm"] == 9
 
 
 def test_dispatch_model_while_patched_still_runs_our_kernel_after_disable(accelerate_sees_no_npu, tmp_path):

@@ -117,7 +117,8 @@ class CoverageReport:
             f"{self.model} ({self.model_type}): modules {c['modules_ours']} ours, "
             f"{c['modules_stock']} stock, "
             f"{c['modules_foreign']} foreign; rotary functions {c['functions_ours']} ours, "
-            f"{c['functions_stock']} stock, {c['functions_foreign']} foreign; {c['flags']} flags"
+            f"{c['functions_stock']} stock, {c['functions_foreign']} foreign; "
+            f"{c['flags']} flag{'' if c['flags'] == 1 else 's'}"
         )
 
     def __str__(self) -> str:
@@ -256,7 +257,7 @@ def _captured(instance):
     """The function an instance-level ``forward`` finally runs, or None if the instance has none.
 
     accelerate keeps the bound forward it wrapped in ``_old_forward``; other wrappers are
-    followed through ``__wrapped__`` (functools.wraps / update_wrapper).
+    followed through ``__wrapped__`` (functools.wraps / update_wrapper) down to a bound method.
     """
     if "forward" not in vars(instance):
         return None
@@ -265,15 +266,18 @@ def _captured(instance):
         inner = vars(instance)["forward"]
         for _ in range(8):
             wrapped = getattr(inner, "__wrapped__", None)
-            if wrapped is None:
-                break
+            if wrapped is None or getattr(inner, "__self__", None) is instance:
+                break  # a bound method: its own __wrapped__ is its function's decorator's
             inner = wrapped
     return inner
 
 
 def _hooker(instance) -> str:
+    """Who set the instance's ``forward``, for a flag."""
     hook = vars(instance)["forward"]
-    return _defined_by(_function(hook))
+    if getattr(hook, "__self__", None) is instance:  # e.g. what remove_hook_from_module leaves
+        return "a bound method stored on the instance"
+    return f"by {_defined_by(_function(hook))}"
 
 
 # --- why a target is stock ---------------------------------------------------------------
@@ -469,16 +473,14 @@ def _entry(cls, instances, ours):
     for (kind_of, hooker, inner_module), names in captured.items():
         message = {
             "captured-before-patching": (
-                f"instance forward captured before patching (by {hooker}): runs stock, not our "
+                f"instance forward captured before patching ({hooker}): runs stock, not our "
                 f"{kernel or 'kernel'}; class-level patching never reaches it"
             ),
             "captured-while-patched": (
-                f"instance forward captured while patched (by {hooker}): still runs our kernel after "
-                "disable()"
+                f"instance forward captured while patched ({hooker}): still runs our kernel after disable()"
             ),
             "instance-forward": (
-                f"instance forward set by {hooker} runs code from {inner_module}, not the class's "
-                f"({defined_by})"
+                f"instance forward set {hooker} runs code from {inner_module}, not the class's ({defined_by})"
             ),
         }[kind_of]
         flags.append(Flag(kind_of, cls.__qualname__, f"{len(names)} instance(s): {message}", None, names))

@@ -184,7 +184,8 @@ def test_5x_experts_are_ours_through_the_experts_interface_unless_the_config_pic
         experts = _entry(npu_autopatch.report(model), "Qwen3MoeExperts")
         ours_ops = _forward_ops(model, npu)
         model.set_experts_implementation("eager")
-        eager = _entry(npu_autopatch.report(model), "Qwen3MoeExperts")
+        eager_report = npu_autopatch.report(model)
+        eager = _entry(eager_report, "Qwen3MoeExperts")
         eager_ops = _forward_ops(model, npu)
     assert (experts.origin, experts.kernel, experts.via) == (
         "ours",
@@ -193,6 +194,9 @@ def test_5x_experts_are_ours_through_the_experts_interface_unless_the_config_pic
     )
     assert ours_ops["npu_grouped_matmul"] > 0
     assert (eager.origin, eager.via) == ("stock", "experts interface 'eager'")
+    (flag,) = eager_report.flags
+    assert (flag.kind, flag.subject) == ("stock", "Qwen3MoeExperts")
+    assert "its config selects 'eager', not 'npu_grouped_mm'" in flag.message
     assert "npu_grouped_matmul" not in eager_ops
 
 

@@ -343,8 +343,15 @@ def _short(text, limit=160):
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _stock_flag(subject, where, module, path, kind, records, instance=None):
+def _stock_flag(subject, where, module, path, kind, records, instance=None, via="forward"):
     code, text = _reason_for(where, module, records)
+    holds_ours = getattr(type(instance), _experts.ATTR, None) is not None
+    if code is None and holds_ours and via.startswith("experts interface"):
+        text = (
+            f"its config selects {via.removeprefix('experts interface ')}, not {_experts.KEY!r} (an explicit "
+            f"choice, or a model built before patching); model.set_experts_implementation({_experts.KEY!r}) "
+            "switches it"
+        )
     if code is None and text.endswith(("not one of its targets", "not in the model table")):
         try:
             text = f"{text}; {_probe_note(module, path, kind)}"
@@ -394,6 +401,7 @@ def report(model) -> CoverageReport:
                     entry.kind,
                     records,
                     instances[0][1],
+                    entry.via,
                 )
             )
     functions = []

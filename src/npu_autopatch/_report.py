@@ -468,10 +468,11 @@ def _entry(cls, instances, ours):
         if inner is not None:
             inner_origin, inner_module, _kernel = _origin(inner, ours)
             runs_origin = inner_origin
-            if _function(inner) is not _function(forward) and not is_experts:
+            differs = inner_origin != origin or inner_origin == FOREIGN  # not e.g. an older build of ours
+            if differs and _function(inner) is not _function(forward) and not is_experts:
                 if inner_origin == STOCK and origin == OURS:
                     kind_of = "captured-before-patching"
-                elif inner_origin == OURS and origin != OURS:
+                elif inner_origin == OURS:
                     kind_of = "captured-while-patched"
                 else:
                     kind_of = "instance-forward"
@@ -485,7 +486,8 @@ def _entry(cls, instances, ours):
                 f"{kernel or 'kernel'}; class-level patching never reaches it"
             ),
             "captured-while-patched": (
-                f"instance forward captured while patched ({hooker}): still runs our kernel after disable()"
+                f"instance forward captured while patched ({hooker}): still runs our kernel "
+                + ("after disable()" if origin == STOCK else f"instead of the class's {defined_by}")
             ),
             "instance-forward": (
                 f"instance forward set {hooker} runs code from {inner_module}, not the class's ({defined_by})"

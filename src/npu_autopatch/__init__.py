@@ -5,8 +5,9 @@ nothing. Turn it on with NPU_AUTOPATCH=1, a cluster sitecustomize, or ``enable()
 ``status()`` or ``python -m npu_autopatch status`` for what was patched and why not.
 
 Importing this package is cheap (no torch, transformers, wrapt, logging, typing, enum or
-dataclasses): the status vocabulary (``PatchRecord``, ``State``, ``ReasonCode``) and
-``PatchError`` are loaded on first use.
+dataclasses): the status vocabulary (``PatchRecord``, ``State``, ``ReasonCode``),
+``PatchError`` and ``report()`` (what a live model runs: ours, stock or foreign, per module
+class) are loaded on first use.
 """
 
 from ._control import disable, enable, is_enabled, register, status, unregister
@@ -14,6 +15,7 @@ from ._types import Kernel, Model, Target, Variant
 
 __version__ = "0.1.0"
 __all__ = [
+    "CoverageReport",
     "Kernel",
     "Model",
     "PatchError",
@@ -26,11 +28,13 @@ __all__ = [
     "enable",
     "is_enabled",
     "register",
+    "report",
     "status",
     "unregister",
 ]
 
 _RECORDS = ("PatchError", "PatchRecord", "ReasonCode", "State")
+_REPORT = ("CoverageReport", "report")  # imports torch: only for a live model
 
 
 def __getattr__(name):
@@ -38,9 +42,14 @@ def __getattr__(name):
         from . import _records
 
         return getattr(_records, name)
+    if name in _REPORT:
+        from . import _report
+
+        return getattr(_report, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ._records import PatchError, PatchRecord, ReasonCode, State
+    from ._report import CoverageReport, report

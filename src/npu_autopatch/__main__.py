@@ -1,4 +1,4 @@
-"""``python -m npu_autopatch status|check|verify|models|scan``: what is patched here, and does it hold.
+"""``python -m npu_autopatch status|check|verify|models|scan|report``: what is patched here, and does it hold.
 
 status  the environment and the state of every supported model in this process.
 check   enable patching, import every supported modeling module, print the same table;
@@ -8,6 +8,9 @@ verify  stock vs patched parity on tiny random models, per model (see verify.py)
 models  the supported models, kernels and targets as a markdown table (the README's).
 scan    every modeling module of the installed transformers: which code the kernels
         reproduce, and parity of each model type's tiny model (see _scan.py).
+report  the tiny model of one model type, built on the CPU stand-in with patching enabled
+        before transformers is imported (the lazy path): what each module class runs, ours,
+        stock or foreign, and the flags (see _report.py).
 """
 
 from __future__ import annotations
@@ -143,6 +146,17 @@ def main(argv: list[str] | None = None) -> int:
         "(a2-newest, the default; a2-2.7.1; a2-2.6.0)",
     )
     commands.add_parser("scan", help="what the kernels reproduce in the installed transformers (scan --help)")
+    report_cmd = commands.add_parser("report", help="what each module of a model type's tiny model runs")
+    report_cmd.add_argument("--model-type", required=True, help="e.g. qwen3, qwen3_vl, qwen3_moe")
+    report_cmd.add_argument(
+        "--profile",
+        default=None,
+        help="the stand-in's torch_npu release: a2-newest (default), a2-2.7.1, a2-2.6.0",
+    )
+    report_cmd.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    report_cmd.add_argument("--no-patch", action="store_true", help="build the model with patching off")
+    report_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    report_cmd.add_argument("--markdown", action="store_true", help="markdown tables")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["scan"]:  # its own parser and options
         from . import _scan
@@ -154,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         from . import verify
 
         return verify.main(args)
+
+    if args.command == "report":
+        return _report_command(args)
 
     if args.command == "models":
         print(models_markdown())
@@ -177,6 +194,32 @@ def main(argv: list[str] | None = None) -> int:
         env = environment()
     _print(env, report, args.json)
     return 1 if any(r.state == State.FAILED for r in report.values()) else 0
+
+
+def _report_command(args) -> int:
+    """Build the tiny model on the CPU stand-in, patching enabled before transformers is imported."""
+    import torch
+
+    from ._report import report
+    from .testing import stand_in
+
+    with stand_in(profile=args.profile) as npu:
+        lazy = "transformers" not in sys.modules
+        if not args.no_patch:
+            _control.enable()
+        from .testing import tiny  # transformers is imported here, after enable(): the lazy path
+
+        model = tiny.tiny_model(args.model_type, dtype=getattr(torch, args.dtype))
+        coverage = report(model)
+    if args.json:
+        env = {"profile": npu.PROFILE.name, "torch_npu": npu.__version__, "dtype": args.dtype}
+        env["transformers"] = _version("transformers")
+        env["patching_enabled"] = not args.no_patch
+        env["enabled_before_transformers_import"] = lazy and not args.no_patch
+        print(json.dumps({"environment": env, **coverage.as_dict()}, indent=2))
+    else:
+        print(coverage.markdown() if args.markdown else coverage)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,503 @@
+"""``report(model)``: what each module of a live model really runs, ours, stock or someone else's.
+
+status() says what the patcher did to classes and functions; a model can still escape it.
+A class another library replaced (Liger-Kernel rebinds the name), an instance whose
+``forward`` was captured before patching (accelerate's ``add_hook_to_module``, used by
+``cpu_offload`` and ``dispatch_model``, keeps the bound class forward of that moment in
+``module._old_forward``: class-level patching never reaches it, and ``disable()`` never
+reaches one captured while patched), a model whose config picks another experts
+implementation: only the live object tells. So the report reads the model, not the table:
+
+- every module class of ``model.modules()``, with its instance count, as *ours* (one of our
+  replacements: a ledger slot's, or a function of this package that carries ``__wrapped__``),
+  *stock* (transformers' or torch's own code) or *foreign* (named by its defining module).
+  5.x fused experts dispatch through transformers' experts interface: they are ours when the
+  instance's config selects our implementation and the class holds our kernel;
+- the module-level rotary functions of the model's modeling modules;
+- flags: a norm/MLP/experts/rotary-looking target on stock code (named by
+  ``_candidates``' patterns) with the reason from status(), a kernel the installed torch_npu
+  cannot run (with its requirement), and instances captured before or while patched.
+
+Imports torch (through ``_candidates``); only imported when a report is asked for.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+import sys
+from dataclasses import dataclass, field
+
+from . import _candidates, _control, _experts, _ledger
+from ._records import PatchRecord, ReasonCode, State
+from ._state import STATE
+from ._table import columns
+
+OURS, STOCK, FOREIGN = "ours", "stock", "foreign"
+_GATED = (ReasonCode.KERNEL_UNSUPPORTED, ReasonCode.OP_MISSING)
+_NEXT_REASON = re.compile(r"; \w+ not applied to ")  # the reasons of several stock targets are joined
+
+
+@dataclass
+class ModuleEntry:
+    """One module class of the model: what its code is and what its instances run."""
+
+    name: str  # the class's qualified name
+    module: str  # the module that defines the class
+    count: int  # instances in the model
+    origin: str  # ours / stock / foreign: what the class runs (per instance for 5.x experts)
+    via: str  # how: "forward", "moe", "experts interface 'npu_grouped_mm'", ...
+    defined_by: str  # the module that defines the code that runs
+    kind: str | None = None  # norm / mlp / moe when the name looks like a kernel's target
+    kernel: str | None = None  # our kernel, when ours
+    runs: dict[str, int] = field(default_factory=dict)  # instances by what they really run
+
+
+@dataclass
+class FunctionEntry:
+    """One module-level rotary function of the model's modeling modules."""
+
+    name: str  # "module:function"
+    origin: str
+    defined_by: str
+    kernel: str | None = None
+
+
+@dataclass
+class Flag:
+    """Something a user wants to know: a target left stock, a gated kernel, a captured instance."""
+
+    kind: str  # stock / gated / captured-before-patching / captured-while-patched / instance-forward
+    subject: str  # the class or function it is about
+    message: str
+    code: str | None = None  # status()'s reason code, when it has one
+    instances: list[str] = field(default_factory=list)  # module names in the model (captured flags)
+
+
+@dataclass
+class CoverageReport:
+    """What a live model runs: per module class, per rotary function, and the flags."""
+
+    model: str  # the model's class name
+    model_type: str | None
+    modules: list[ModuleEntry]
+    functions: list[FunctionEntry]
+    flags: list[Flag]
+    records: dict[str, PatchRecord]  # status() of the models whose modeling modules the model uses
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Module instances by what they run, rotary functions by origin, flags."""
+        runs = collections.Counter()
+        for entry in self.modules:
+            runs.update(entry.runs)
+        functions = collections.Counter(f.origin for f in self.functions)
+        return {
+            **{f"modules_{origin}": runs[origin] for origin in (OURS, STOCK, FOREIGN)},
+            **{f"functions_{origin}": functions[origin] for origin in (OURS, STOCK, FOREIGN)},
+            "flags": len(self.flags),
+        }
+
+    def as_dict(self) -> dict:
+        """Plain JSON-ready data."""
+        return {
+            "model": self.model,
+            "model_type": self.model_type,
+            "counts": self.counts,
+            "modules": [vars(e).copy() for e in self.modules],
+            "functions": [vars(f).copy() for f in self.functions],
+            "flags": [vars(f).copy() for f in self.flags],
+            "records": {name: rec.as_dict() for name, rec in self.records.items()},
+        }
+
+    def summary(self) -> str:
+        c = self.counts
+        return (
+            f"{self.model} ({self.model_type}): modules {c['modules_ours']} ours, "
+            f"{c['modules_stock']} stock, "
+            f"{c['modules_foreign']} foreign; rotary functions {c['functions_ours']} ours, "
+            f"{c['functions_stock']} stock, {c['functions_foreign']} foreign; "
+            f"{c['flags']} flag{'' if c['flags'] == 1 else 's'}"
+        )
+
+    def __str__(self) -> str:
+        rows = [("class", "n", "origin", "via", "code from")]
+        rows += [(e.name, str(e.count), _runs(e), _via(e), e.defined_by) for e in self.modules]
+        functions = [("function", "origin", "code from")]
+        functions += [(f.name, f.origin, f.defined_by) for f in self.functions]
+        lines = [self.summary(), "", columns(rows)]
+        if self.functions:
+            lines += ["", columns(functions)]
+        if self.flags:
+            lines.append("")
+            lines += [f"FLAG {f.kind}: {f.subject}: {f.message}" for f in self.flags]
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        lines = [
+            f"**{self.summary()}**",
+            "",
+            "| class | instances | origin | via | code from |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| `{e.name}` | {e.count} | {_runs(e)} | {_via(e)} | `{e.defined_by}` |" for e in self.modules
+        ]
+        if self.functions:
+            lines += ["", "| rotary function | origin | code from |", "|---|---|---|"]
+            lines += [f"| `{f.name}` | {f.origin} | `{f.defined_by}` |" for f in self.functions]
+        if self.flags:
+            lines += ["", "| flag | subject | why |", "|---|---|---|"]
+            lines += [f"| {f.kind} | `{f.subject}` | {f.message} |" for f in self.flags]
+        return "\n".join(lines)
+
+
+def _via(entry: ModuleEntry) -> str:
+    return f"{entry.via} ({entry.kernel})" if entry.kernel else entry.via
+
+
+def _runs(entry: ModuleEntry) -> str:
+    if set(entry.runs) <= {entry.origin}:
+        return entry.origin
+    return f"{entry.origin} ({', '.join(f'{n} {origin}' for origin, n in sorted(entry.runs.items()))})"
+
+
+# --- what a piece of code is -------------------------------------------------------------
+
+
+class _Ours:
+    """Our kernels' slots in the ledger, read once under the lock: what counts as ours."""
+
+    def __init__(self):
+        with STATE.lock:
+            self.slots = [slot for slot in STATE.slots.values() if slot.kernel is not None]
+        self.kernels = {id(slot.replacement): slot.kernel for slot in self.slots}
+
+
+def _function(obj):
+    """The plain function a callable runs: unwraps bound methods, partials and callable modules."""
+    for _ in range(8):
+        if isinstance(obj, functools.partial):
+            obj = obj.func
+        elif hasattr(obj, "__func__"):
+            obj = obj.__func__
+        else:
+            break
+    return _ledger.stock_function(obj) or obj
+
+
+def _defined_by(function) -> str:
+    """The module whose code this is (its globals), not the ``__module__`` a decorator copied."""
+    namespace = getattr(function, "__globals__", None) or {}
+    return namespace.get("__name__") or getattr(function, "__module__", None) or type(function).__module__
+
+
+def _origin(obj, ours) -> tuple[str, str, str | None]:
+    """(ours/stock/foreign, the module defining the code, our kernel name or None).
+
+    A torch or transformers decorator (``torch.no_grad()``, ``can_return_tuple``) is looked
+    through: the code it wraps decides.
+    """
+    function = _function(obj)
+    for _ in range(8):
+        module = _defined_by(function)
+        if id(function) in ours.kernels:
+            return OURS, module, ours.kernels[id(function)]
+        wrapped = getattr(function, "__wrapped__", None)
+        if module.startswith("npu_autopatch.") and wrapped is not None:
+            return OURS, module, None  # a replacement disable() took out of its class, still referenced
+        if wrapped is None or not (module == "torch" or module.startswith(("torch.", "transformers."))):
+            break
+        function = _function(wrapped)
+    if module == "torch" or module.startswith("torch."):
+        return STOCK, module, None
+    if hasattr(function, "__code__") and _ledger.is_own(function):
+        return STOCK, module, None
+    return FOREIGN, module, None
+
+
+def _experts_origin(instance, forward, ours):
+    """(origin, via, defined_by, kernel) of a 5.x experts instance, by the implementation it selects."""
+    interface = _experts.interface_of(forward)
+    selected = getattr(getattr(instance, "config", None), "_experts_implementation", None)
+    via = f"experts interface {selected!r}"
+    try:
+        function = interface.get_interface(selected, forward.__wrapped__) if selected != "eager" else None
+    except Exception:  # an implementation nobody registered: the model's forward raises
+        return FOREIGN, via, "unregistered", None
+    if function is None:
+        return STOCK, via, _defined_by(forward.__wrapped__), None
+    if function is _experts.npu_grouped_mm:
+        attribute = getattr(type(instance), _experts.ATTR, None)
+        if attribute is not None:
+            origin, defined_by, kernel = _origin(attribute, ours)
+            return origin, via, defined_by, kernel or "moe"
+        return STOCK, via + f" (falls back to {_experts.DEFAULT!r})", _experts.__name__, None
+    origin, defined_by, _kernel = _origin(function, ours)
+    return origin, via, defined_by, None
+
+
+def _class_origin(cls, ours):
+    """(origin, via, defined_by, kernel) of a class's code: its forward, or another method we replaced."""
+    origin, defined_by, kernel = _origin(cls.forward, ours)
+    if origin != OURS:
+        for slot in ours.slots:  # a method other than forward (4.x DeepSeek-V3's ``moe``)
+            if (
+                isinstance(slot.owner, type)
+                and issubclass(cls, slot.owner)
+                and slot.attr != "forward"
+                and slot.current() is slot.replacement
+            ):
+                return OURS, slot.attr, _defined_by(slot.replacement), slot.kernel
+    return origin, "forward", defined_by, kernel
+
+
+def _captured(instance):
+    """The function an instance-level ``forward`` finally runs, or None if the instance has none.
+
+    accelerate keeps the bound forward it wrapped in ``_old_forward``; other wrappers are
+    followed through ``__wrapped__`` (functools.wraps / update_wrapper) down to a bound method.
+    """
+    if "forward" not in vars(instance):
+        return None
+    inner = vars(instance).get("_old_forward")
+    if inner is None:
+        inner = vars(instance)["forward"]
+        for _ in range(8):
+            wrapped = getattr(inner, "__wrapped__", None)
+            if wrapped is None or getattr(inner, "__self__", None) is instance:
+                break  # a bound method: its own __wrapped__ is its function's decorator's
+            inner = wrapped
+    return inner
+
+
+def _hooker(instance) -> str:
+    """Who set the instance's ``forward``, for a flag."""
+    hook = vars(instance)["forward"]
+    if getattr(hook, "__self__", None) is instance:  # e.g. what remove_hook_from_module leaves
+        return "a bound method stored on the instance"
+    return f"by {_defined_by(_function(hook))}"
+
+
+# --- why a target is stock ---------------------------------------------------------------
+
+
+def _reason_for(where, module, records):
+    """(code, text) of why ``where`` ("module:qualname") runs stock, from status(), or (None, text)."""
+    for rec in records.values():
+        if where in rec.stock:
+            return rec.stock[where], _piece(rec.reason or "", where)
+    for rec in records.values():
+        if rec.module != module.__name__:
+            continue
+        if rec.state not in (State.APPLIED, State.PARTIAL):
+            return rec.code, f"{rec.model} is {rec.state.value}: {rec.reason}"
+        target = _target_at(STATE.models.get(rec.model), module, where)
+        if target is None:
+            return None, f"{rec.model} is {rec.state.value}, but this is not one of its targets"
+        kernels = STATE.config.kernels if STATE.config is not None else None
+        if kernels is not None and target.kernel_name not in kernels:
+            return ReasonCode.NO_KERNEL_SELECTED, (
+                f"the {target.kernel_name} kernel is not selected (enable(kernels=...) or "
+                f"NPU_AUTOPATCH_KERNELS: {', '.join(sorted(kernels))})"
+            )
+        if target.since is not None:
+            return None, f"its {target.kernel_name} target is left out before transformers {target.since}"
+        return None, f"{rec.model} is {rec.state.value}: {rec.reason}"
+    return None, f"{module.__name__} is not in the model table"
+
+
+def _target_at(model, module, where):
+    """The Target of ``model`` that resolves to ``where`` in ``module``, or None."""
+    for target in getattr(model, "targets", None) or ():
+        found = _ledger.resolve(module, target.paths)
+        if found is not None and _ledger.where(module, found[1], found[0]) == where:
+            return target
+    return None
+
+
+def _piece(reason, where):
+    """The part of a joined reason about ``where``."""
+    start = reason.find(f"not applied to {where}: ")
+    if start < 0:
+        return reason
+    start = reason.rfind("; ", 0, start) + 2 if "; " in reason[:start] else 0
+    found = _NEXT_REASON.search(reason, start + 1)
+    return reason[start : found.start() if found else len(reason)]
+
+
+def _probe_note(module, path, kind):
+    """What the probes say about an untargeted candidate: the kernel that fits, or why none."""
+    candidate = _candidates.probe(module, _candidates.Candidate(path, kind, module.__name__))
+    if candidate.kernel is not None:
+        return (
+            f"the probes say {candidate.kernel} reproduces it ({candidate.variant}): "
+            "`python -m npu_autopatch scan` and opt-in discovery can take it"
+        )
+    refused = "; ".join(f"{kernel}: {_short(why)}" for kernel, why in candidate.refused.items())
+    return f"no kernel reproduces it ({refused})"
+
+
+def _short(text, limit=160):
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _stock_flag(subject, where, module, path, kind, records, instance=None, via="forward"):
+    code, text = _reason_for(where, module, records)
+    holds_ours = getattr(type(instance), _experts.ATTR, None) is not None
+    if code is None and holds_ours and via.startswith("experts interface"):
+        text = (
+            f"its config selects {via.removeprefix('experts interface ')}, not {_experts.KEY!r} (an explicit "
+            f"choice, or a model built before patching); model.set_experts_implementation({_experts.KEY!r}) "
+            "switches it"
+        )
+    if code is None and text.endswith(("not one of its targets", "not in the model table")):
+        try:
+            text = f"{text}; {_probe_note(module, path, kind)}"
+            act = _other_activation(instance) if kind == "mlp" and instance is not None else None
+            if act is not None and "the probes say" in text:
+                text += f"; but its activation is {act}, not SiLU: that kernel would run the stock code"
+        except Exception as exc:  # a probe that raises says nothing about the model itself
+            text = f"{text}; the probe raised {type(exc).__name__}: {exc}"
+    if code in _GATED:
+        return Flag("gated", subject, f"a kernel the installed torch_npu cannot run: {text}", code.value)
+    return Flag("stock", subject, f"runs stock code: {text}", None if code is None else code.value)
+
+
+# --- the report --------------------------------------------------------------------------
+
+
+def report(model) -> CoverageReport:
+    """What ``model`` (a live ``torch.nn.Module``) runs: ours, stock or foreign, per class and
+    rotary function, and the flags (see this module's docstring)."""
+    records = _control.status()
+    ours = _Ours()
+    groups: dict[type, list[tuple[str, object]]] = {}
+    for name, instance in model.named_modules(remove_duplicate=True):
+        groups.setdefault(type(instance), []).append((name or "<root>", instance))
+    modules, flags, modeling = [], [], {}
+    for cls, instances in groups.items():
+        entry, entry_flags = _entry(cls, instances, ours)
+        modules.append(entry)
+        flags += entry_flags
+        home = sys.modules.get(cls.__module__)
+        if cls.__module__.startswith(("transformers.models.", "transformers_modules.")) and home is not None:
+            modeling[cls.__module__] = home
+    relevant = {k: r for k, r in records.items() if r.module in modeling}
+    for (cls, instances), entry in zip(groups.items(), modules, strict=True):
+        stock_class = entry.origin == STOCK and entry.runs.get(STOCK)  # captured ones are flagged apart
+        if entry.kind is not None and stock_class and cls.__module__ in modeling:
+            if entry.kind == "moe" and _holds_experts(instances[0][1]):
+                continue  # 5.x: the block routes, its fused experts module (reported itself) computes
+            where = f"{cls.__module__}:{cls.__qualname__}.forward"
+            path = f"{cls.__qualname__}.forward"
+            flags.append(
+                _stock_flag(
+                    cls.__qualname__,
+                    where,
+                    modeling[cls.__module__],
+                    path,
+                    entry.kind,
+                    records,
+                    instances[0][1],
+                    entry.via,
+                )
+            )
+    functions = []
+    for module_name, module in modeling.items():
+        for name, obj in sorted(vars(module).items()):
+            if not _candidates._ROPE.match(name) or not callable(obj) or isinstance(obj, type):
+                continue
+            origin, defined_by, kernel = _origin(obj, ours)
+            where = f"{module_name}:{name}"
+            functions.append(FunctionEntry(where, origin, defined_by, kernel))
+            if origin == STOCK:
+                flags.append(_stock_flag(where, where, module, name, "rope", records))
+    config = getattr(model, "config", None)
+    return CoverageReport(
+        type(model).__qualname__,
+        getattr(config, "model_type", None),
+        modules,
+        functions,
+        flags,
+        relevant,
+    )
+
+
+def _other_activation(instance):
+    """The activation class name of an MLP instance that is not SiLU (the swiglu kernel then runs
+    the stock code for it, per instance), else None."""
+    from .kernels.mlp import _silu_types
+
+    act = getattr(instance, "act_fn", None) or getattr(instance, "activation_fn", None)
+    if act is None or type(act) in _silu_types():
+        return None
+    return type(act).__name__
+
+
+def _holds_experts(instance):
+    """Whether an MoE-looking module contains another MoE-looking module (5.x: block -> experts)."""
+    return any(
+        _candidates._kind(type(sub).__name__, type(sub)) == "moe"
+        for name, sub in instance.named_modules()
+        if name
+    )
+
+
+def _entry(cls, instances, ours):
+    """The ModuleEntry of one class and the flags of its captured instances."""
+    kind = _candidates._kind(cls.__name__, cls)
+    if kind == "rope":
+        kind = None
+    forward = cls.forward
+    is_experts = _experts.interface_of(forward) is not None
+    if not is_experts:
+        origin, via, defined_by, kernel = _class_origin(cls, ours)
+    runs = collections.Counter()
+    captured: dict[tuple[str, str, str], list[str]] = {}
+    fallback: dict[str, list[str]] = {}  # activation -> instances our swiglu leaves to the stock code
+    for name, instance in instances:
+        if is_experts:
+            origin, via, defined_by, kernel = _experts_origin(instance, forward, ours)
+        runs_origin = origin
+        if origin == OURS and kernel == "swiglu" and _other_activation(instance):
+            runs_origin = STOCK
+            fallback.setdefault(_other_activation(instance), []).append(name)
+        inner = _captured(instance)
+        if inner is not None:
+            inner_origin, inner_module, _kernel = _origin(inner, ours)
+            runs_origin = inner_origin
+            differs = inner_origin != origin or inner_origin == FOREIGN  # not e.g. an older build of ours
+            if differs and _function(inner) is not _function(forward) and not is_experts:
+                if inner_origin == STOCK and origin == OURS:
+                    kind_of = "captured-before-patching"
+                elif inner_origin == OURS:
+                    kind_of = "captured-while-patched"
+                else:
+                    kind_of = "instance-forward"
+                captured.setdefault((kind_of, _hooker(instance), inner_module), []).append(name)
+        runs[runs_origin] += 1
+    flags = []
+    for (kind_of, hooker, inner_module), names in captured.items():
+        message = {
+            "captured-before-patching": (
+                f"instance forward captured before patching ({hooker}): runs stock, not our "
+                f"{kernel or 'kernel'}; class-level patching never reaches it"
+            ),
+            "captured-while-patched": (
+                f"instance forward captured while patched ({hooker}): still runs our kernel "
+                + ("after disable()" if origin == STOCK else f"instead of the class's {defined_by}")
+            ),
+            "instance-forward": (
+                f"instance forward set {hooker} runs code from {inner_module}, not the class's ({defined_by})"
+            ),
+        }[kind_of]
+        flags.append(Flag(kind_of, cls.__qualname__, f"{len(names)} instance(s): {message}", None, names))
+    for act, names in fallback.items():
+        message = f"{len(names)} instance(s) run stock code: their activation is {act}, not SiLU"
+        flags.append(Flag("stock", cls.__qualname__, message, None, names))
+    entry = ModuleEntry(
+        cls.__qualname__, cls.__module__, len(instances), origin, via, defined_by, kind, kernel, dict(runs)
+    )
+    return entry, flags

@@ -42,9 +42,9 @@ def test_every_table_target_is_in_the_shipped_table_with_its_live_verdict(monkey
     targets = table_targets()
     assert len(targets) > 40
     for where, kernel, stock in targets:
-        variant = _fingerprint.shipped(kernel, _fingerprint.fingerprint(stock))
-        assert variant is not None, f"{where} ({kernel.name}) is not in the shipped table: {REGENERATE}"
-        assert live(kernel, stock, monkeypatch) == (variant, None), where
+        verdict = _fingerprint.shipped(kernel, _fingerprint.fingerprint(stock), stock)
+        assert verdict is not None, f"{where} ({kernel.name}) is not in the shipped table: {REGENERATE}"
+        assert live(kernel, stock, monkeypatch) == verdict, where
 
 
 def test_no_fingerprint_of_the_table_has_two_verdicts():
@@ -110,7 +110,8 @@ def test_the_shipped_table_needs_no_probe(monkeypatch):
 
     monkeypatch.setattr("npu_autopatch.kernels._probe_variants", no_probe)
     for where, kernel, stock in table_targets():
-        assert choose_variant(kernel, stock)[0] is not None, where
+        variant, reason = choose_variant(kernel, stock)
+        assert (variant is None) == (reason is not None), where
 
 
 def test_a_plugin_kernel_named_like_ours_is_probed(monkeypatch):
@@ -127,3 +128,36 @@ def test_a_plugin_kernel_named_like_ours_is_probed(monkeypatch):
 def test_the_generator_reports_this_transformers(capsys):
     assert _fingerprint.main([]) == 0
     assert f"transformers {transformers.__version__}: " in capsys.readouterr().out
+
+
+def shipped_refusals():
+    """(kernel, fingerprint, stock) of every shipped refusal whose code this transformers has."""
+    import importlib
+
+    from npu_autopatch import _ledger
+
+    for kernel, table in _verdicts.REFUSED.items():
+        for key in table:
+            print_, name = key.split(" ")
+            module_name, _, rest = name.rpartition(".modeling_")
+            module_path, _, qualname = rest.partition(".")
+            try:
+                module = importlib.import_module(f"{module_name}.modeling_{module_path}")
+            except ImportError:
+                continue
+            found = _ledger.resolve(module, [qualname])
+            if found is not None:
+                yield KERNELS[kernel], print_, _ledger.stock_function(found[3]) or found[3]
+
+
+def test_a_shipped_refusal_is_the_live_one_word_for_word(monkeypatch):
+    """A refused target of the table is not probed either; status() gets the probe's own reason."""
+    checked = 0
+    for kernel, print_, stock in shipped_refusals():
+        if _fingerprint.fingerprint(stock) != print_:
+            continue  # the other transformers major's code under the same name
+        verdict = _fingerprint.shipped(kernel, print_, stock)
+        assert verdict[0] is None and verdict == live(kernel, stock, monkeypatch), stock.__qualname__
+        checked += 1
+    if not checked:
+        pytest.skip(f"no shipped refusal is for transformers {transformers.__version__}")

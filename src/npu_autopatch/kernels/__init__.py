@@ -18,7 +18,7 @@ from .rope import ROPE
 
 KERNELS = {kernel.name: kernel for kernel in (RMS_NORM, GATED_RMS_NORM, SWIGLU, ROPE, MOE)}
 assert tuple(KERNELS) == KERNEL_NAMES, "kernels and _types.KERNEL_NAMES must list the same kernels"
-_fingerprint.BUILTIN.update((name, frozenset(kernel.variants)) for name, kernel in KERNELS.items())
+_fingerprint.BUILTIN.update((name, kernel.variants) for name, kernel in KERNELS.items())
 
 __all__ = ["KERNELS", "Kernel", "Variant", "choose_variant", "golden_ops"]
 
@@ -45,7 +45,7 @@ def choose_variant(kernel, stock):
     if known is not None:
         return known
     verdict = _probe_variants(kernel, stock)
-    _fingerprint.remember(key, verdict)
+    _fingerprint.remember(key, verdict, stock)
     return verdict
 
 

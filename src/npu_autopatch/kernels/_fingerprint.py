@@ -151,8 +151,15 @@ def kernels_digest():
     return _digest
 
 
-def shipped(kernel, print_):
-    """The shipped verdict for code with fingerprint ``print_``: the variant, or None (probe it)."""
+def qualified_name(stock):
+    """module.qualname of the code: a refusal's reason names the class, so it is kept per name."""
+    fn = getattr(stock, "__wrapped__", stock)
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def shipped(kernel, print_, stock):
+    """The shipped verdict for ``stock`` (fingerprint ``print_``): (variant, None), (None, reason) for
+    a refused target of the model table, or None: probe it."""
     from . import _verdicts
 
     builtin = BUILTIN.get(kernel.name, ())
@@ -160,7 +167,14 @@ def shipped(kernel, print_):
         return None  # other kernel code, or a kernel that is not (a narrowing of) ours
     name = _verdicts.VERDICTS.get(kernel.name, {}).get(print_)
     # Not among the allowed variants (a torch_npu too old for it): the next one must be probed.
-    return next((v for v in kernel.variants if v.name == name), None)
+    variant = next((v for v in kernel.variants if v.name == name), None)
+    if variant is not None:
+        return variant, None
+    if name is None and tuple(kernel.variants) == builtin:  # the reason lists every variant's
+        reason = _verdicts.REFUSED.get(kernel.name, {}).get(f"{print_} {qualified_name(stock)}")
+        if reason is not None:
+            return None, reason
+    return None
 
 
 def recall(kernel, stock):
@@ -171,17 +185,17 @@ def recall(kernel, stock):
     if print_ is None:
         return None, None
     key = (tuple(kernel.variants), print_)
-    known = _MEMO.get(key)
+    known = _MEMO.get(key) or _MEMO.get((*key, qualified_name(stock)))
     if known is None:
-        variant = shipped(kernel, print_)
-        if variant is not None:
-            known = _MEMO[key] = (variant, None)
+        known = shipped(kernel, print_, stock)
+        if known is not None:
+            remember(key, known, stock)
     return key, known
 
 
-def remember(key, verdict):
+def remember(key, verdict, stock):
     if key is not None:
-        _MEMO[key] = verdict
+        _MEMO[key if verdict[0] is not None else (*key, qualified_name(stock))] = verdict
 
 
 def forget():
@@ -193,8 +207,9 @@ def forget():
 # --- the generator ----------------------------------------------------------------------------
 
 
-def _table_targets():
-    """(where, kernel, stock) for every target of the built-in model table in this transformers."""
+def _table_targets(extra=()):
+    """(where, kernel, stock) for every target of the built-in model table (and of the ``extra``
+    models) in this transformers."""
     import importlib
 
     from .. import _ledger
@@ -202,7 +217,7 @@ def _table_targets():
     from ..models import MODELS
     from . import KERNELS
 
-    for model in MODELS.values():
+    for model in (*MODELS.values(), *extra):
         try:
             module = importlib.import_module(model.module)
         except ImportError:
@@ -240,9 +255,10 @@ def _candidate_targets():
                     yield f"{name}: {candidate.path}", KERNELS[kernel], stock
 
 
-def live_verdicts(targets):
+def live_verdicts(targets, refusals=None):
     """{kernel: {fingerprint: variant name or None}} by live probes; raises on a fingerprint with two
-    verdicts (the fingerprint would then miss something the probe sees)."""
+    verdicts (the fingerprint would then miss something the probe sees). With ``refusals``, the
+    reasons of the refused targets go there, {kernel: {"fingerprint module.qualname": reason}}."""
     from . import choose_variant
 
     verdicts, where_of = {}, {}
@@ -253,10 +269,12 @@ def live_verdicts(targets):
             if print_ is None:
                 continue
             try:
-                variant = choose_variant(kernel, stock)[0]
+                variant, reason = choose_variant(kernel, stock)
             except Exception:
-                variant = None
+                variant = reason = None
             name = None if variant is None else variant.name
+            if refusals is not None and variant is None and reason is not None:
+                refusals.setdefault(kernel.name, {})[f"{print_} {qualified_name(stock)}"] = reason
             table = verdicts.setdefault(kernel.name, {})
             if print_ in table and table[print_] != name:
                 raise RuntimeError(
@@ -270,26 +288,52 @@ def live_verdicts(targets):
     return verdicts
 
 
-def _render(verdicts, sources):
+def _extra_models(path):
+    """The ``Model`` values of the first dict of models that the Python file ``path`` defines."""
+    import importlib.util
+
+    from .._types import Model
+
+    spec = importlib.util.spec_from_file_location("_extra_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for value in vars(module).values():
+        if isinstance(value, dict) and value and all(isinstance(m, Model) for m in value.values()):
+            return list(value.values())
+    raise SystemExit(f"{path} defines no dict of Model")
+
+
+def _dict(name, table):
+    """``name = {...}`` of {kernel: {key: value}}, as ruff formats it."""
+    quote = json.dumps
+    if not table:
+        return [f"{name} = {{}}"]
+    lines = [f"{name} = {{"]
+    for kernel in sorted(table):
+        lines.append(f"    {quote(kernel)}: {{")
+        lines += [f"        {quote(key)}: {quote(value)}," for key, value in sorted(table[kernel].items())]
+        lines.append("    },")
+    return [*lines, "}"]
+
+
+def _render(verdicts, refused, sources):
     """_verdicts.py's text, as ruff would format it."""
     quote = json.dumps
     lines = [
-        '"""Shipped probe verdicts: {kernel: {fingerprint of the stock code: variant}} (see _fingerprint).',
-        "",
-        "Generated by ``python -m npu_autopatch.kernels --write``; do not edit.",
+        *(["# ruff: noqa: E501"] if refused else []),  # the reasons are long
+        '"""Shipped probe verdicts (see _fingerprint): VERDICTS {kernel: {fingerprint: variant}} for all',
+        "code the probes accept, REFUSED {kernel: {fingerprint module.qualname: reason}} for the targets",
+        "of the model table they refuse. Generated by ``python -m npu_autopatch.kernels --write``.",
         '"""',
         "",
         f"KERNELS_DIGEST = {quote(kernels_digest())}",
         "",
         "SOURCES = [" + ", ".join(map(quote, sorted(sources))) + "]",
         "",
-        "VERDICTS = {",
+        *_dict("VERDICTS", verdicts),
+        "",
+        *_dict("REFUSED", refused),
     ]
-    for kernel in sorted(verdicts):
-        lines.append(f"    {quote(kernel)}: {{")
-        lines += [f"        {quote(fp)}: {quote(name)}," for fp, name in sorted(verdicts[kernel].items())]
-        lines.append("    },")
-    lines.append("}")
     return "\n".join(lines) + "\n"
 
 
@@ -297,7 +341,6 @@ def main(argv=None):
     """``--write``: merge this transformers' verdicts into _verdicts.py (a new kernels digest starts
     afresh); without it, print how many targets and fingerprints there are."""
     import argparse
-    import itertools
 
     import transformers
 
@@ -305,8 +348,15 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(prog="python -m npu_autopatch.kernels")
     parser.add_argument("--write", action="store_true", help="merge the verdicts into _verdicts.py")
+    parser.add_argument("--extra", help="a Python file defining a dict of Model: table models too")
     args = parser.parse_args(argv)
-    found = live_verdicts(itertools.chain(_table_targets(), _candidate_targets()))
+    refused = {}
+    found = live_verdicts(_table_targets(_extra_models(args.extra) if args.extra else ()), refused)
+    for kernel, table in live_verdicts(_candidate_targets()).items():
+        for print_, name in table.items():
+            previous = found.setdefault(kernel, {}).setdefault(print_, name)
+            if previous != name:
+                raise RuntimeError(f"{kernel}: fingerprint {print_} is {previous} in the table, {name} here")
     accepted = {k: {fp: v for fp, v in table.items() if v is not None} for k, table in found.items()}
     print(
         f"transformers {transformers.__version__}: "
@@ -320,6 +370,9 @@ def main(argv=None):
     if kernels_digest() == _verdicts.KERNELS_DIGEST:
         sources |= set(_verdicts.SOURCES)
         merged = {k: dict(v) for k, v in _verdicts.VERDICTS.items()}
+        for kernel, table in _verdicts.REFUSED.items():
+            for where, why in table.items():
+                refused.setdefault(kernel, {}).setdefault(where, why)
     for kernel, table in accepted.items():
         for print_, name in table.items():
             previous = merged.setdefault(kernel, {}).setdefault(print_, name)
@@ -332,7 +385,7 @@ def main(argv=None):
                 raise RuntimeError(f"{kernel}: fingerprint {print_} is refused here, {there} there")
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_verdicts.py")
     with open(path + ".tmp", "w") as out:
-        out.write(_render(merged, sources))
+        out.write(_render(merged, refused, sources))
     os.replace(path + ".tmp", path)
     print(f"wrote {path}")
     return 0

@@ -13,17 +13,20 @@ Two places keep verdicts:
 - ``_MEMO``, in process: a reload, ``enable()`` again, or a VLM sharing code with its text model
   never probes the same code twice.
 - ``_verdicts.py``, shipped: the variants our CI's probes chose for every target of the model table
-  and every candidate of every modeling module, on both transformers majors, valid only with the
-  kernels' sources they were computed with (``KERNELS_DIGEST``). Unknown code is probed live.
+  and every candidate of every modeling module, and the refusals of the table's targets, on both
+  transformers majors, valid only with the sources they were computed with (``KERNELS_DIGEST``).
+  Unknown code is probed live.
+
+A refusal's reason names the class it was found on, so refusals are kept per qualified name too.
 
 ``NPU_AUTOPATCH_PROBE=always`` turns both off: every target is probed live.
 
 Regenerate after changing a kernel (tests/test_fingerprint.py fails until then), with each venv:
-``python -m npu_autopatch.kernels --write``; the second run merges into the first.
+``python -m npu_autopatch.kernels --write [--extra models.py]``; the second run merges into the
+first (``--extra``: a file with a dict of ``Model`` to count as table models, e.g. a proposed table).
 """
 
 import hashlib
-import json
 import os
 import sys
 import types
@@ -48,7 +51,7 @@ _SOURCES = (
 # {kernel name: its variants} as the package defines them (kernels/__init__ fills it at import):
 # a shipped verdict is for those variant objects, not for a plugin's or a test's replacement.
 BUILTIN = {}
-_MEMO = {}  # (the kernel's variants, fingerprint) -> (variant, reason)
+_MEMO = {}  # (the kernel's variants, fingerprint[, qualified name if refused]) -> (variant, reason)
 _FINGERPRINTS = weakref.WeakKeyDictionary()  # stock function -> fingerprint
 _digest = None
 
@@ -305,6 +308,8 @@ def _extra_models(path):
 
 def _dict(name, table):
     """``name = {...}`` of {kernel: {key: value}}, as ruff formats it."""
+    import json
+
     quote = json.dumps
     if not table:
         return [f"{name} = {{}}"]
@@ -318,6 +323,8 @@ def _dict(name, table):
 
 def _render(verdicts, refused, sources):
     """_verdicts.py's text, as ruff would format it."""
+    import json
+
     quote = json.dumps
     lines = [
         *(["# ruff: noqa: E501"] if refused else []),  # the reasons are long

@@ -2,6 +2,6 @@
 
 import sys
 
-from ._fingerprint import main
+from ._generate import main
 
 sys.exit(main())

@@ -111,7 +111,8 @@ with stand_in():
 
 
 def test_device_and_op_faults_leave_the_model_stock_and_say_why():
-    out, stderr = run_child(DEVICE_FAULTS, NPU_AUTOPATCH="1")
+    # NPU_AUTOPATCH_PROBE=always: the golden op fault is seen by a probe, not a shipped verdict.
+    out, stderr = run_child(DEVICE_FAULTS, NPU_AUTOPATCH="1", NPU_AUTOPATCH_PROBE="always")
     imported, (state, reason), norm_is_ours = out["unavailable"]
     assert imported == "ok" and state == "skipped" and not norm_is_ours
     assert "torch.npu.is_available() is False" in reason
@@ -250,7 +251,9 @@ with stand_in():
 
 
 def test_strict_mode_turns_each_fault_into_one_clear_exception():
-    out, _stderr = run_child(STRICT_FAULTS, NPU_AUTOPATCH="1", NPU_AUTOPATCH_STRICT="1")
+    out, _stderr = run_child(
+        STRICT_FAULTS, NPU_AUTOPATCH="1", NPU_AUTOPATCH_STRICT="1", NPU_AUTOPATCH_PROBE="always"
+    )
     expected = {
         "unavailable": "llama skipped: torch_npu imported but torch.npu.is_available() is False",
         "missing_op": "mistral failed: torch_npu has no npu_swiglu",

@@ -111,9 +111,9 @@ def test_a_kernel_whose_requirement_fails_leaves_its_targets_stock(npu_stand_in,
 
 def test_a_variant_whose_requirement_fails_is_passed_over(npu_stand_in, monkeypatch):
     norm = KERNELS["rms_norm"]
-    llama, zero = norm.variants
+    llama, *others = norm.variants
     gated = Variant(llama.name, llama.build, llama.probe, requires=lambda npu: "llama variant needs X")
-    monkeypatch.setattr(norm, "variants", (gated, zero))
+    monkeypatch.setattr(norm, "variants", (gated, *others))
     npu_autopatch.enable(models=["qwen3"])
     record = npu_autopatch.status()["qwen3"]
     assert record.state == "partial" and record.code == "kernel-unsupported"

@@ -159,5 +159,5 @@ def test_a_fork_during_a_patch_does_not_hang_the_child(tmp_path):
     # does not exist there, and its first status() would hang for ever (child_state None). The
     # probes run outside the lock (tests/test_hooks.py: the fork does not wait for them), so
     # the child sees mistral's import unfinished: pending, as its importing thread is gone.
-    result = run_script(tmp_path, FORK_DURING_A_PATCH, NPU_AUTOPATCH="1")
+    result = run_script(tmp_path, FORK_DURING_A_PATCH, NPU_AUTOPATCH="1", NPU_AUTOPATCH_PROBE="always")
     assert result == {"child_state": "pending", "parent_state": "applied"}

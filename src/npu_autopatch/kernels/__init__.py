@@ -9,7 +9,7 @@ Imported at patch time only: it imports torch, which the modeling module already
 """
 
 from .._types import KERNEL_NAMES, Kernel, Variant
-from . import _reference
+from . import _fingerprint, _reference
 from ._probe import neutral_torch
 from .mlp import SWIGLU
 from .moe import MOE
@@ -18,6 +18,7 @@ from .rope import ROPE
 
 KERNELS = {kernel.name: kernel for kernel in (RMS_NORM, GATED_RMS_NORM, SWIGLU, ROPE, MOE)}
 assert tuple(KERNELS) == KERNEL_NAMES, "kernels and _types.KERNEL_NAMES must list the same kernels"
+_fingerprint.BUILTIN.update((name, kernel.variants) for name, kernel in KERNELS.items())
 
 __all__ = ["KERNELS", "Kernel", "Variant", "choose_variant", "golden_ops"]
 
@@ -37,7 +38,18 @@ def choose_variant(kernel, stock):
 
     The probes run in ``neutral_torch()``: the verdict does not depend on the torch state
     (meta device, init_empty_weights, default dtype, autocast, ...) the import happens in.
+    Code whose fingerprint has a verdict already (this process, or our CI's shipped table)
+    is not probed again: see ``_fingerprint``.
     """
+    key, known = _fingerprint.recall(kernel, stock)
+    if known is not None:
+        return known
+    verdict = _probe_variants(kernel, stock)
+    _fingerprint.remember(key, verdict, stock)
+    return verdict
+
+
+def _probe_variants(kernel, stock):
     reasons = []
     with neutral_torch():
         for variant in kernel.variants:

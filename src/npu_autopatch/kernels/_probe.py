@@ -12,12 +12,18 @@ init_empty_weights replaces). The probes use their own ``torch.Generator`` and n
 
 import contextlib
 import inspect
+import weakref
 
 import torch
 
 # Both sides run in fp32 on the same inputs; only the rounding order differs.
 PROBE_RTOL = 1e-4
 PROBE_ATOL = 1e-5
+# The mixed-precision probes (bf16 activations with fp32 weights or cos/sin) are there for the
+# output dtype: the math was compared in fp32; the values only have to agree to bf16 rounding.
+MIXED_TOLERANCE = {"rtol": 1e-2, "atol": 1e-2}
+
+BFLOAT16 = torch.bfloat16
 
 
 FLOAT32 = torch.float32
@@ -127,12 +133,50 @@ def instance(stock, **attributes):
     return module
 
 
+_PARAMETERS = weakref.WeakKeyDictionary()
+
+
 def parameters(stock):
-    """The parameter names of a function (or callable module), or None if it has no signature."""
+    """The parameter names of a function (or callable module), or None if it has no signature.
+
+    Memoised per function: every variant's probe and builder asks, and inspect.signature was
+    a tenth of the probing time.
+    """
     try:
-        return tuple(inspect.signature(stock).parameters)
+        return _PARAMETERS[stock]
+    except (KeyError, TypeError):
+        pass
+    try:
+        params = tuple(inspect.signature(stock).parameters)
     except (TypeError, ValueError):
-        return None
+        params = None
+    with contextlib.suppress(TypeError):  # not weakly referenceable: not memoised
+        _PARAMETERS[stock] = params
+    return params
+
+
+def one_input(stock):
+    """None if ``stock`` is a method taking exactly one tensor (``forward(self, x)``), else why not.
+
+    A norm or MLP kernel replaces ``forward(self, x)``; a forward with more parameters (a gated
+    norm's ``gate=None``) would lose them.
+    """
+    params = parameters(stock)
+    if params is not None and len(params) == 2 and params[0] == "self":
+        sig = inspect.signature(stock).parameters[params[1]]
+        if sig.kind in (sig.POSITIONAL_ONLY, sig.POSITIONAL_OR_KEYWORD):
+            return None
+    return f"the signature {params} is not (self, <one input>)"
+
+
+def with_stock_names(forward, stock):
+    """``forward`` with the parameter names of ``stock`` (one MLP calls its input ``hidden_state``,
+    another ``x``), so that keyword calls keep working."""
+    names = parameters(stock)
+    code = forward.__code__
+    if names is not None and len(names) == code.co_argcount:
+        forward.__code__ = code.replace(co_varnames=names + code.co_varnames[code.co_argcount :])
+    return forward
 
 
 def signature_reason(stock, *signatures):
@@ -147,8 +191,8 @@ def _tensors(result):
     return result if isinstance(result, tuple | list) else (result,)
 
 
-def agree(run_stock, run_candidate):
-    """None when stock and candidate give the same tensors; a reason otherwise.
+def agree(run_stock, run_candidate, rtol=PROBE_RTOL, atol=PROBE_ATOL):
+    """None when stock and candidate give the same tensors (shape, dtype, values); a reason otherwise.
 
     An input that the stock code itself rejects does not count against the kernel: the
     kernel only has to match stock where stock works.
@@ -160,6 +204,10 @@ def agree(run_stock, run_candidate):
         return f"the stock code reads state this kernel does not provide ({exc})"
     except Exception:
         return None
+    return _same(stock, run_candidate, rtol, atol)
+
+
+def _same(stock, run_candidate, rtol, atol):
     with torch.no_grad():
         candidate = _tensors(run_candidate())
     if len(stock) != len(candidate):
@@ -170,7 +218,7 @@ def agree(run_stock, run_candidate):
                 f"stock returns {tuple(expected.shape)} {expected.dtype}, "
                 f"the kernel {tuple(got.shape)} {got.dtype}"
             )
-        if not torch.allclose(expected, got, rtol=PROBE_RTOL, atol=PROBE_ATOL):
+        if not torch.allclose(expected, got, rtol=rtol, atol=atol):
             error = (expected - got).abs().max().item()
             return f"the math differs from stock (max abs error {error:.2e})"
     return None
@@ -180,8 +228,8 @@ def first_disagreement(*reasons):
     return next((r for r in reasons if r is not None), None)
 
 
-def agree_strict(run_stock, run_candidate):
-    """Like ``agree``, but the stock code must run on the probe input.
+def agree_strict(run_stock, run_candidate, rtol=PROBE_RTOL, atol=PROBE_ATOL):
+    """Like ``agree``, but the stock code must run on the probe input (it runs once).
 
     For probes whose input is the one the stock code is built for (a whole MoE block on a
     fake module): if the stock code fails there, the fake module is wrong, and calling
@@ -189,9 +237,9 @@ def agree_strict(run_stock, run_candidate):
     """
     try:
         with torch.no_grad():
-            run_stock()
-    except AttributeError:
-        pass  # agree() reports it: the stock code reads state the kernel does not provide
+            stock = _tensors(run_stock())
+    except AttributeError as exc:
+        return f"the stock code reads state this kernel does not provide ({exc})"
     except Exception as exc:
         return f"the stock code fails on the probe input ({type(exc).__name__}: {exc})"
-    return agree(run_stock, run_candidate)
+    return _same(stock, run_candidate, rtol, atol)

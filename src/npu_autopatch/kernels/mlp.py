@@ -16,7 +16,7 @@ torch_npu-npu_swiglu.md), e.g. a rank whose micro-batch has no tokens.
 import torch
 
 from .._types import Kernel, Variant
-from ._probe import agree_strict, generator, instance, linear, parameters, randn
+from ._probe import agree_strict, generator, instance, linear, randn, with_stock_names
 from ._requirements import swiglu_requirement
 
 
@@ -29,16 +29,6 @@ def _silu_types():
     except ImportError:  # transformers 4.x maps "silu" to torch.nn.SiLU
         pass
     return frozenset(types_)
-
-
-def _with_stock_names(forward, stock):
-    """``forward`` with the parameter names of ``stock`` (the Qwen2.5-VL vision MLP calls its
-    input ``hidden_state``, the others ``x``), so that keyword calls keep working."""
-    names = parameters(stock)
-    code = forward.__code__
-    if names is not None and len(names) == code.co_argcount:
-        forward.__code__ = code.replace(co_varnames=names + code.co_varnames[code.co_argcount :])
-    return forward
 
 
 def _build_separate(stock, npu, on_error):
@@ -56,7 +46,7 @@ def _build_separate(stock, npu, on_error):
             return stock(self, x)
         return self.down_proj(hidden)
 
-    return _with_stock_names(forward, stock)
+    return with_stock_names(forward, stock)
 
 
 def _probe_separate(stock, candidate):
@@ -86,7 +76,7 @@ def _build_fused(stock, npu, on_error):
             return stock(self, hidden_states)
         return self.down_proj(hidden)
 
-    return _with_stock_names(forward, stock)
+    return with_stock_names(forward, stock)
 
 
 def _probe_fused(stock, candidate):

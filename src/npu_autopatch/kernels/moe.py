@@ -161,10 +161,16 @@ def _stacked(experts, hit, counts):
     """The ``hit`` experts of a ModuleList as gmm weights [E', H, 2I], [E', I, H], and their counts.
 
     Only those: as in the stock loop, an expert without rows gets no gradient (None, which
-    optimizers skip, not zeros).
+    optimizers skip, not zeros). None when a hit expert is not a gated MLP (4.57 LongCat-Flash's
+    ``nn.Identity`` zero experts): that call runs the stock loop.
     """
-    gate_up = torch.stack([w for i in hit for w in (experts[i].gate_proj.weight, experts[i].up_proj.weight)])
-    down = torch.stack([experts[i].down_proj.weight for i in hit])
+    try:
+        gate_up = torch.stack(
+            [w for i in hit for w in (experts[i].gate_proj.weight, experts[i].up_proj.weight)]
+        )
+        down = torch.stack([experts[i].down_proj.weight for i in hit])
+    except AttributeError:
+        return None
     pairs, intermediate, hidden = gate_up.shape
     gate_up = gate_up.view(pairs // 2, 2 * intermediate, hidden).transpose(1, 2)
     return gate_up, down.transpose(1, 2), counts[hit]
@@ -236,7 +242,7 @@ def _build_sparse_block(shared):
 
         def forward(self, hidden_states):
             experts = self.experts
-            if type(experts[0].act_fn) not in silu_types or not hidden_states.numel():
+            if type(getattr(experts[0], "act_fn", None)) not in silu_types or not hidden_states.numel():
                 return stock(self, hidden_states)
             batch_size, sequence_length, hidden_dim = hidden_states.shape
             tokens = hidden_states.view(-1, hidden_dim)
@@ -247,12 +253,11 @@ def _build_sparse_block(shared):
                 routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
             routing_weights = routing_weights.to(tokens.dtype)
             hit, counts = _hit(experts, selected_experts)
-            if len(hit) < 2:  # a group list of counts must not have length 1
+            stacked = _stacked(experts, hit, counts) if len(hit) > 1 else None
+            if stacked is None:  # a group list of counts must not have length 1; a non-MLP expert
                 return stock(self, hidden_states)
             try:
-                out = routed_experts(
-                    tokens, selected_experts, routing_weights, *_stacked(experts, hit, counts)
-                )
+                out = routed_experts(tokens, selected_experts, routing_weights, *stacked)
             except Exception as exc:
                 on_error(exc, hidden_states)
                 return stock(self, hidden_states)
@@ -272,13 +277,14 @@ def _build_moe_method(stock, npu, on_error):
 
     def moe(self, hidden_states, topk_indices, topk_weights):
         experts = self.experts
-        if type(experts[0].act_fn) not in silu_types or not hidden_states.shape[0]:
+        if type(getattr(experts[0], "act_fn", None)) not in silu_types or not hidden_states.shape[0]:
             return stock(self, hidden_states, topk_indices, topk_weights)
         hit, counts = _hit(experts, topk_indices)
-        if len(hit) < 2:  # a group list of counts must not have length 1
+        stacked = _stacked(experts, hit, counts) if len(hit) > 1 else None
+        if stacked is None:  # a group list of counts must not have length 1; a non-MLP expert
             return stock(self, hidden_states, topk_indices, topk_weights)
         try:
-            return routed_experts(hidden_states, topk_indices, topk_weights, *_stacked(experts, hit, counts))
+            return routed_experts(hidden_states, topk_indices, topk_weights, *stacked)
         except Exception as exc:
             on_error(exc, hidden_states, topk_indices, topk_weights)
             return stock(self, hidden_states, topk_indices, topk_weights)
@@ -411,7 +417,15 @@ def _probe_moe_method(stock, candidate):
     moe = _module(stock, experts=torch.nn.ModuleList([_GatedMLP(gen, _H, _I) for _ in range(_E)]))
     x = randn(gen, _T, _H)
     index, weights = _routing(gen)
-    return agree_strict(lambda: stock(moe, x, index, weights), lambda: candidate(moe, x, index, weights))
+    # A zero-computation expert (4.57 LongCat-Flash: nn.Identity after the routed ones) that
+    # tokens reach: that call must come back from the stock loop, not raise.
+    zero = _module(stock, experts=torch.nn.ModuleList([*moe.experts, torch.nn.Identity()]))
+    to_zero = index.clone()
+    to_zero[0, 0] = _E
+    return first_disagreement(
+        agree_strict(lambda: stock(moe, x, index, weights), lambda: candidate(moe, x, index, weights)),
+        agree_strict(lambda: stock(zero, x, to_zero, weights), lambda: candidate(zero, x, to_zero, weights)),
+    )
 
 
 MOE = Kernel(

@@ -10,6 +10,14 @@ Two formula families, told apart by probing, never by class name:
   That is npu_rms_norm with gamma = 1 + weight in fp32, in the same order, so it matches stock
   to fp32 rounding in every dtype. (npu_gemma_rms_norm computes the same forward but has no
   autograd kernel: the weights would silently get no gradient.)
+- cast once (DeepSeek-V4, OLMo 2/3): y = (weight * (x * rsqrt(mean(x^2) + eps)) in fp32).to(input
+  dtype), eps in ``variance_epsilon``: the weight stays fp32 (``_keep_in_fp32_modules``) and the
+  product is rounded once, so a bf16 model keeps bf16 activations. That is npu_rms_norm with an
+  fp32 gamma; the llama form instead promotes to fp32 there, as its stock does.
+
+The probes compare fp32, then bf16 activations with an fp32 weight (what from_pretrained leaves
+for kept-in-fp32 norms), for the output dtype. A forward with any parameter besides its input
+(the 4.57 gated norms' ``gate=None``) is refused: the replacement would drop it.
 
 The gated norm of the linear-attention layers (``*RMSNormGated.forward(hidden_states, gate)``)
 is the llama-style norm times silu(gate) in fp32, cast to the input dtype.
@@ -18,7 +26,18 @@ is the llama-style norm times silu(gate) in fp32, cast to the input dtype.
 import torch
 
 from .._types import Kernel, Variant
-from ._probe import agree_strict, generator, instance, parameters, randn
+from ._probe import (
+    BFLOAT16,
+    MIXED_TOLERANCE,
+    agree_strict,
+    first_disagreement,
+    generator,
+    instance,
+    one_input,
+    parameters,
+    randn,
+    with_stock_names,
+)
 
 
 def _build_llama(stock, npu, on_error):
@@ -39,14 +58,40 @@ def _build_llama(stock, npu, on_error):
             on_error(exc, hidden_states, weight)
             return stock(self, hidden_states)
 
-    return forward
+    return with_stock_names(forward, stock)
+
+
+def _probe_norm(stock, candidate, **eps):
+    """fp32 against stock, then bf16 input with the fp32 weight: same math, same output dtype."""
+    wrong = one_input(stock)
+    if wrong:
+        return wrong
+    gen = generator()
+    # The real class, so that the stock forward finds its own methods (Gemma3's ``_norm``); a
+    # random weight, as (1 + weight) and weight only agree where weight is zero.
+    norm = instance(stock, weight=torch.nn.Parameter(randn(gen, 16)), **eps)
+    x = randn(gen, 2, 3, 16)
+    mixed = x.to(BFLOAT16)
+    return first_disagreement(
+        agree_strict(lambda: stock(norm, x), lambda: candidate(norm, x)),
+        agree_strict(lambda: stock(norm, mixed), lambda: candidate(norm, mixed), **MIXED_TOLERANCE),
+    )
 
 
 def _probe_llama(stock, candidate):
-    gen = generator()
-    norm = instance(stock, weight=torch.nn.Parameter(randn(gen, 16)), variance_epsilon=1e-6)
-    x = randn(gen, 2, 3, 16)
-    return agree_strict(lambda: stock(norm, x), lambda: candidate(norm, x))
+    return _probe_norm(stock, candidate, variance_epsilon=1e-6)
+
+
+def _build_cast_once(stock, npu, on_error):
+    def forward(self, hidden_states):
+        weight = self.weight
+        try:
+            return npu.npu_rms_norm(hidden_states, weight.float(), epsilon=self.variance_epsilon)[0]
+        except Exception as exc:
+            on_error(exc, hidden_states, weight)
+            return stock(self, hidden_states)
+
+    return with_stock_names(forward, stock)
 
 
 def _build_zero_centred(stock, npu, on_error):
@@ -60,16 +105,11 @@ def _build_zero_centred(stock, npu, on_error):
             on_error(exc, x, weight)
             return stock(self, x)
 
-    return forward
+    return with_stock_names(forward, stock)
 
 
 def _probe_zero_centred(stock, candidate):
-    gen = generator()
-    # The real class, so that the stock forward finds its own ``_norm``; a random weight, as
-    # (1 + weight) and weight only agree where weight is zero.
-    norm = instance(stock, weight=torch.nn.Parameter(randn(gen, 16)), eps=1e-6)
-    x = randn(gen, 2, 3, 16)
-    return agree_strict(lambda: stock(norm, x), lambda: candidate(norm, x))
+    return _probe_norm(stock, candidate, eps=1e-6)
 
 
 RMS_NORM = Kernel(
@@ -78,6 +118,7 @@ RMS_NORM = Kernel(
     (
         Variant("llama", _build_llama, _probe_llama),
         Variant("zero-centred", _build_zero_centred, _probe_zero_centred),
+        Variant("cast-once", _build_cast_once, _probe_llama),
     ),
 )
 

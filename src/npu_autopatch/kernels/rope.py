@@ -13,8 +13,13 @@ The variants, one per form of the stock code (the probe tells them apart):
   4.57 multiplies by all of it, 5.x by its first half twice; the same for that cos.
 - ``mrope`` (Qwen2.5-VL ``apply_multimodal_rotary_pos_emb``, up to 5.16): cos/sin [3, B, S, D]
   are mixed by ``mrope_section`` first, then it is the ``half`` form.
-- ``vision`` (``apply_rotary_pos_emb_vision``): q/k [S, N, D] and cos [S, D], computed in fp32
-  and cast back.
+- ``vision`` (``apply_rotary_pos_emb_vision``): q/k [S, N, D] or [B, S, N, D] (muse_glimmer) and
+  cos [S, D], computed in fp32 and cast back.
+
+A form whose real calls this module would hand back to stock every time is refused, not accepted
+as a no-op: an mRoPE or vision rotary that rotates only part of the head (4.57 Glm4vMoe,
+minimax_m3_vl). Every probe also runs bf16 q/k with fp32 cos/sin, as a bf16 model passes them,
+and compares the output dtype: the OLMo family casts back to q's dtype, which ``half`` does not.
 
 The layouts. The device's kernel infers its layout from which dims of cos broadcast against x
 (hicann/ops-transformer, rope_rotate_half_tiling.cpp ChooseTilingMode) and takes 4-D input only.
@@ -46,14 +51,23 @@ dtype of cos/sin, so does the replacement (npu_rotary_mul would cast cos/sin dow
 import torch
 
 from .._types import Kernel, Variant
-from ._probe import agree_strict, first_disagreement, generator, parameters, randn, signature_reason
+from ._probe import (
+    BFLOAT16,
+    MIXED_TOLERANCE,
+    agree_strict,
+    first_disagreement,
+    generator,
+    parameters,
+    randn,
+    signature_reason,
+)
 from ._requirements import rotary_mode_requirement
 
 # The layouts, as ``verify`` reports them.
 LAYOUTS = {
     "A": "q/k [B, S, N, D] (a transposed view), cos/sin [1, S, 1, D]: batch-1 cos and B*N < 1000",
     "B": "q/k [1, B*S, N, D], cos/sin [1, B*S, 1, D]: per-sample cos, B*N >= 1000, the vision tower",
-    "stock": "head dim odd or >= 896, empty, not 4-D (vision: 3-D), or cos not matching q: stock code",
+    "stock": "head dim odd or >= 896, empty, not 4-D (vision: 3-D or 4-D), or cos not matching q: stock code",
 }
 
 _SIGNATURE_4X = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
@@ -287,25 +301,28 @@ def _build_vision(stock, npu, on_error):
 
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
         qs, cs = q.shape, cos.shape
+        # q/k [S, N, D] (one image sequence) or [B, S, N, D] (muse_glimmer), cos/sin [S, D].
+        batched = len(qs) == 4
         if not (
-            len(qs) == 3
+            (batched or len(qs) == 3)
             and len(cs) == 2
-            and cs[0] == qs[0]
-            and cs[1] == qs[2] < _HEAD_DIM_LIMIT
-            and not qs[2] & 1
-            and qs[0]
-            and qs[1] < _BATCH_HEADS_LIMIT
+            and cs[0] == qs[-3]
+            and cs[1] == qs[-1] < _HEAD_DIM_LIMIT
+            and not qs[-1] & 1
+            and qs[-3]
+            and (qs[0] if batched else 1) * qs[-2] < _BATCH_HEADS_LIMIT
         ):
             return stock(q, k, cos, sin)
         try:
-            # Layout B with B = 1: q/k [1, S, N, D], cos [1, S, 1, D]; in fp32, as stock computes.
+            # Layout A: q/k [B, S, N, D] (B = 1 for 3-D q), cos [1, S, 1, D]; in fp32, as stock computes.
             c, s = cos[None, :, None, :].to(float32), sin[None, :, None, :].to(float32)
-            oq = npu.npu_rotary_mul(q.to(float32).unsqueeze(0), c, s)[0].to(q.dtype)
-            ok = npu.npu_rotary_mul(k.to(float32).unsqueeze(0), c, s)[0].to(k.dtype)
+            xq, xk = (q, k) if batched else (q.unsqueeze(0), k.unsqueeze(0))
+            oq = npu.npu_rotary_mul(xq.to(float32), c, s).to(q.dtype)
+            ok = npu.npu_rotary_mul(xk.to(float32), c, s).to(k.dtype)
         except Exception as exc:
             on_error(exc, q, k, cos, sin)
             return stock(q, k, cos, sin)
-        return oq, ok
+        return (oq, ok) if batched else (oq[0], ok[0])
 
     return apply_rotary_pos_emb_vision
 
@@ -334,8 +351,21 @@ def _bsnd(q, k, cos, sin):
     return q.transpose(1, 2), k.transpose(1, 2), cos, sin
 
 
+def _mixed(q, k, cos, sin, *rest):
+    """The same inputs as transformers passes them in a bf16 model: bf16 q/k, fp32 cos/sin."""
+    return (q.to(BFLOAT16), k.to(BFLOAT16), cos, sin, *rest)
+
+
 def _compare(stock, candidate, inputs, **kwargs):
     return agree_strict(lambda: stock(*inputs, **kwargs), lambda: candidate(*inputs, **kwargs))
+
+
+def _compare_mixed(stock, candidate, inputs, **kwargs):
+    """bf16 q/k with fp32 cos/sin: the kernel must return stock's dtype (OLMo casts back to q's)."""
+    mixed = _mixed(*inputs)
+    return agree_strict(
+        lambda: stock(*mixed, **kwargs), lambda: candidate(*mixed, **kwargs), **MIXED_TOLERANCE
+    )
 
 
 def _rotates_part(stock, inputs):
@@ -360,6 +390,7 @@ def _probe_half(stock, candidate):
         _compare(stock, candidate, full),
         _compare(stock, candidate, _batch_one(*full)),
         _compare(stock, candidate, _bsnd(*full), unsqueeze_dim=2),
+        _compare_mixed(stock, candidate, full),
     )
 
 
@@ -374,6 +405,7 @@ def _probe_partial(stock, candidate):
         _compare(stock, candidate, _batch_one(*partial)),
         _compare(stock, candidate, _bsnd(*partial), unsqueeze_dim=2),
         _compare(stock, candidate, full),
+        _compare_mixed(stock, candidate, partial),
     )
 
 
@@ -384,7 +416,9 @@ def _probe_deinterleave(stock, candidate):
     gen = generator()
     inputs = rope_inputs(gen, rotary_dim=8)
     return first_disagreement(
-        _compare(stock, candidate, inputs), _compare(stock, candidate, _batch_one(*inputs))
+        _compare(stock, candidate, inputs),
+        _compare(stock, candidate, _batch_one(*inputs)),
+        _compare_mixed(stock, candidate, inputs),
     )
 
 
@@ -395,7 +429,12 @@ def _probe_mrope(stock, candidate):
     gen = generator()
     q, k, _, _ = rope_inputs(gen, rotary_dim=8)
     cos, sin = _angles(gen, 3, 2, 3, 8)  # one set of angles per axis: temporal, height, width
-    return _compare(stock, candidate, (q, k, cos, sin, [1, 1, 2]))
+    wide_q, wide_k, _, _ = rope_inputs(gen, rotary_dim=8, head_dim=16)
+    if _rotates_part(stock, (wide_q, wide_k, cos, sin, [1, 1, 2])):
+        # 4.57 Glm4vMoe: the real calls rotate part of the head, which this variant leaves to stock.
+        return "stock rotates only the first cos.shape[-1] dims of the head (partial mRoPE)"
+    inputs = (q, k, cos, sin, [1, 1, 2])
+    return first_disagreement(_compare(stock, candidate, inputs), _compare_mixed(stock, candidate, inputs))
 
 
 def _probe_vision(stock, candidate):
@@ -404,7 +443,16 @@ def _probe_vision(stock, candidate):
         return mismatch
     gen = generator()
     q, k = randn(gen, 3, 2, 8), randn(gen, 3, 2, 8)  # [S, N, D]
-    return _compare(stock, candidate, (q, k, *_angles(gen, 3, 8)))
+    cos, sin = _angles(gen, 3, 8)
+    if _rotates_part(stock, (q, k, cos[:, :4], sin[:, :4])):
+        # minimax_m3_vl: the real calls rotate part of the head, which this variant leaves to stock.
+        return "stock rotates only the first cos.shape[-1] dims of the head (partial rotary)"
+    batched = (randn(gen, 2, 3, 2, 8), randn(gen, 2, 3, 2, 8), cos, sin)
+    return first_disagreement(
+        _compare(stock, candidate, (q, k, cos, sin)),
+        _compare(stock, candidate, batched),  # muse_glimmer: q/k [B, S, N, D]
+        _compare_mixed(stock, candidate, (q, k, cos, sin)),
+    )
 
 
 ROPE = Kernel(

@@ -1,0 +1,221 @@
+"""Probe verdicts reused by a structural fingerprint of the stock code: patching without probing.
+
+transformers' modeling files are generated copies, so the hundreds of targets of a release are a
+few dozen distinct functions. Two targets with the same fingerprint run the same bytecode with the
+same constants and names, call the same module-level transformers helpers (fingerprinted too,
+recursively), the same methods of their own class (``self._norm``, the experts' ``_apply_gate``)
+and close over the same functions (a decorator's wrapped method): everything a probe exercises.
+The probe compares the stock code with the candidate on CPU reference ops, so neither the device
+nor the weights enter the verdict, and the same code gets the same verdict.
+
+Two places keep verdicts:
+
+- ``_MEMO``, in process: a reload, ``enable()`` again, or a VLM sharing code with its text model
+  never probes the same code twice.
+- ``_verdicts.py``, shipped: the variants our CI's probes chose for every target of the model table
+  and every candidate of every modeling module, and the refusals of the table's targets, on both
+  transformers majors, valid only with the sources they were computed with (``KERNELS_DIGEST``).
+  Unknown code is probed live.
+
+A refusal's reason names the class it was found on, so refusals are kept per qualified name too.
+
+``NPU_AUTOPATCH_PROBE=always`` turns both off: every target is probed live.
+
+Regenerate after changing a kernel (tests/test_fingerprint.py fails until then; _generate.py), with each venv:
+``python -m npu_autopatch.kernels --write [--extra models.py]``; the second run merges into the
+first (``--extra``: a file with a dict of ``Model`` to count as table models, e.g. a proposed table).
+"""
+
+import hashlib
+import os
+import sys
+import types
+import weakref
+
+_SIMPLE = (int, float, complex, str, bytes, bool, type(None))
+_DEPTH = 3  # helper functions followed this deep (measured: no two verdicts for one fingerprint)
+_FUNCTION = types.FunctionType
+
+# The sources a shipped verdict depends on: the fingerprint, the probes, the reference math, the variants.
+_SOURCES = (
+    "__init__.py",
+    "_fingerprint.py",
+    "_probe.py",
+    "_reference.py",
+    "norm.py",
+    "mlp.py",
+    "rope.py",
+    "moe.py",
+)
+
+# {kernel name: its variants} as the package defines them (kernels/__init__ fills it at import):
+# a shipped verdict is for those variant objects, not for a plugin's or a test's replacement.
+BUILTIN = {}
+_MEMO = {}  # (the kernel's variants, fingerprint[, qualified name if refused]) -> (variant, reason)
+_FINGERPRINTS = weakref.WeakKeyDictionary()  # stock function -> fingerprint
+_digest = None
+
+
+def live_only():
+    """Whether the user asked for live probing (``NPU_AUTOPATCH_PROBE=always``)."""
+    return os.environ.get("NPU_AUTOPATCH_PROBE", "").strip().lower() == "always"
+
+
+def owner_of(stock):
+    """The module-level class whose method ``stock`` is (as the probes' ``instance`` finds it), or None."""
+    fn = getattr(stock, "__wrapped__", stock)
+    owner = getattr(fn, "__globals__", {}).get(getattr(fn, "__qualname__", "").rpartition(".")[0])
+    return owner if isinstance(owner, type) else None
+
+
+def _const(h, const):
+    if isinstance(const, types.CodeType):
+        _code(h, const)
+    elif isinstance(const, frozenset):  # its repr's order depends on the string hash seed
+        h.update(repr(sorted(map(repr, const))).encode())
+    else:
+        h.update(repr(const).encode())
+
+
+def _code(h, code):
+    h.update(code.co_code)
+    h.update(repr((code.co_argcount, code.co_kwonlyargcount, code.co_flags, code.co_varnames)).encode())
+    h.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        _const(h, const)
+
+
+def _named_by_qualname(fn):
+    """Whether a function's name says what it is: importable, and not transformers' (whose code we
+    follow, as generated copies share names with different code)."""
+    return "<" not in fn.__qualname__ and not (fn.__module__ or "").startswith("transformers.")
+
+
+def _value(h, name, value, seen, depth, owner, closure=False):
+    """What a referenced global or closure cell contributes: a helper's own fingerprint, or its name.
+
+    A closure's functions (a decorator's wrapped method, a factory's arguments) and lambdas or
+    local functions are followed wherever they come from: their names do not tell them apart.
+    """
+    if isinstance(value, _FUNCTION):
+        followed = closure or not _named_by_qualname(value)
+        if followed and value not in seen:
+            seen.add(value)
+            if depth > 0:
+                _function(h, value, seen, depth - 1, owner)
+            else:
+                _code(h, value.__code__)
+        else:
+            h.update(f"{name}={value.__module__}.{value.__qualname__}".encode())
+    elif isinstance(value, types.ModuleType):
+        h.update(f"{name}=module:{value.__name__}".encode())
+    elif isinstance(value, _SIMPLE):
+        h.update(f"{name}={value!r}".encode())
+    elif isinstance(value, type):
+        h.update(f"{name}=class:{value.__module__}.{value.__qualname__}".encode())
+    else:
+        h.update(f"{name}=obj:{type(value).__module__}.{type(value).__qualname__}".encode())
+
+
+def _function(h, fn, seen, depth, owner):
+    _code(h, fn.__code__)
+    h.update(repr(fn.__defaults__).encode())
+    h.update(repr(sorted((fn.__kwdefaults__ or {}).items())).encode())
+    for cell in fn.__closure__ or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        _value(h, "<closure>", contents, seen, depth, owner, closure=True)
+    namespace = fn.__globals__
+    for name in fn.__code__.co_names:
+        if name in namespace:
+            _value(h, name, namespace[name], seen, depth, owner)
+        elif owner is not None:
+            method = getattr(owner, name, None)  # self._norm(...) in Gemma3RMSNorm.forward
+            # torch's own (nn.Module.to, ...: also a tensor method's name) count by name, as torch does
+            if isinstance(method, _FUNCTION) and method not in seen:
+                seen.add(method)
+                if method.__module__.startswith("transformers."):
+                    _function(h, method, seen, depth - 1, owner)
+                else:
+                    h.update(f"{name}={method.__module__}.{method.__qualname__}".encode())
+
+
+def fingerprint(stock):
+    """A hex digest of the code ``stock`` runs, or None for what is not a plain function."""
+    if type(stock) is not _FUNCTION:
+        return None
+    digest = _FINGERPRINTS.get(stock)
+    if digest is None:
+        h = hashlib.blake2b(digest_size=12)
+        _function(h, stock, {stock}, _DEPTH, owner_of(stock))
+        digest = _FINGERPRINTS[stock] = h.hexdigest()
+    return digest
+
+
+def kernels_digest():
+    """A digest of the kernels' sources: a shipped verdict is only as good as the probe that made it."""
+    global _digest
+    if _digest is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        h = hashlib.blake2b(digest_size=12)
+        h.update(f"python {sys.version_info[0]}.{sys.version_info[1]}".encode())  # bytecode differs
+        for name in _SOURCES:
+            with open(os.path.join(here, name), "rb") as source:
+                h.update(source.read().replace(b"\r\n", b"\n"))
+        _digest = h.hexdigest()
+    return _digest
+
+
+def qualified_name(stock):
+    """module.qualname of the code: a refusal's reason names the class, so it is kept per name."""
+    fn = getattr(stock, "__wrapped__", stock)
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def shipped(kernel, print_, stock):
+    """The shipped verdict for ``stock`` (fingerprint ``print_``): (variant, None), (None, reason) for
+    a refused target of the model table, or None: probe it."""
+    from . import _verdicts
+
+    builtin = BUILTIN.get(kernel.name, ())
+    if kernels_digest() != _verdicts.KERNELS_DIGEST or not all(v in builtin for v in kernel.variants):
+        return None  # other kernel code, or a kernel that is not (a narrowing of) ours
+    name = _verdicts.VERDICTS.get(kernel.name, {}).get(print_)
+    # Not among the allowed variants (a torch_npu too old for it): the next one must be probed.
+    variant = next((v for v in kernel.variants if v.name == name), None)
+    if variant is not None:
+        return variant, None
+    if name is None and tuple(kernel.variants) == builtin:  # the reason lists every variant's
+        reason = _verdicts.REFUSED.get(kernel.name, {}).get(f"{print_} {qualified_name(stock)}")
+        if reason is not None:
+            return None, reason
+    return None
+
+
+def recall(kernel, stock):
+    """(key, (variant, reason) or None): a verdict known for this code, and the key to remember one."""
+    if live_only():
+        return None, None
+    print_ = fingerprint(stock)
+    if print_ is None:
+        return None, None
+    key = (tuple(kernel.variants), print_)
+    known = _MEMO.get(key) or _MEMO.get((*key, qualified_name(stock)))
+    if known is None:
+        known = shipped(kernel, print_, stock)
+        if known is not None:
+            remember(key, known, stock)
+    return key, known
+
+
+def remember(key, verdict, stock):
+    if key is not None:
+        _MEMO[key if verdict[0] is not None else (*key, qualified_name(stock))] = verdict
+
+
+def forget():
+    """Drop the in-process verdicts (tests)."""
+    _MEMO.clear()
+    _FINGERPRINTS.clear()

@@ -1,0 +1,163 @@
+"""Probe verdicts reused by fingerprint: the shipped table covers the model table, agrees with live
+probes, and code that differs is probed (kernels/_fingerprint.py)."""
+
+import types
+
+import pytest
+import transformers
+
+from npu_autopatch.kernels import KERNELS, Kernel, Variant, _fingerprint, _generate, _verdicts, choose_variant
+
+REGENERATE = (
+    "the shipped verdicts are stale: run `python -m npu_autopatch.kernels --write` "
+    "with .venv and with .venv-tf4, and commit kernels/_verdicts.py"
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_memo():
+    _fingerprint.forget()
+    yield
+    _fingerprint.forget()
+
+
+def table_targets():
+    return list(_generate._table_targets())
+
+
+def live(kernel, stock, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setenv("NPU_AUTOPATCH_PROBE", "always")
+        return choose_variant(kernel, stock)
+
+
+def test_the_shipped_verdicts_are_for_these_kernels():
+    assert _fingerprint.kernels_digest() == _verdicts.KERNELS_DIGEST, REGENERATE
+    assert any(source.startswith("transformers 4.") for source in _verdicts.SOURCES), _verdicts.SOURCES
+    assert any(source.startswith("transformers 5.") for source in _verdicts.SOURCES), _verdicts.SOURCES
+
+
+def test_every_table_target_is_in_the_shipped_table_with_its_live_verdict(monkeypatch):
+    """(i) each target of the model table hits the table; (ii) with the verdict a live probe gives."""
+    targets = table_targets()
+    assert len(targets) > 40
+    for where, kernel, stock in targets:
+        verdict = _fingerprint.shipped(kernel, _fingerprint.fingerprint(stock), stock)
+        assert verdict is not None, f"{where} ({kernel.name}) is not in the shipped table: {REGENERATE}"
+        assert live(kernel, stock, monkeypatch) == verdict, where
+
+
+def test_no_fingerprint_of_the_table_has_two_verdicts():
+    """(iii): over every target of the table, one fingerprint, one verdict (live_verdicts raises)."""
+    verdicts = _generate.live_verdicts(table_targets())
+    assert sum(map(len, verdicts.values())) < len(table_targets())  # shared code is shared
+
+
+def with_constant(function, old, new):
+    """``function`` compiled with one constant changed, in the same module, under the same name."""
+    code = function.__code__
+    assert old in code.co_consts
+    consts = tuple(new if c == old and type(c) is type(old) else c for c in code.co_consts)
+    changed = types.FunctionType(code.replace(co_consts=consts), function.__globals__, function.__name__)
+    changed.__qualname__ = function.__qualname__
+    return changed
+
+
+def test_code_that_differs_by_one_constant_is_probed(monkeypatch):
+    """(iv): LlamaRMSNorm's mean of x^2 made a mean of x^3 has its own fingerprint; the probe refuses it."""
+    from transformers.models.llama import modeling_llama
+
+    stock = modeling_llama.LlamaRMSNorm.forward
+    changed = with_constant(stock, 2, 3)
+    assert _fingerprint.fingerprint(changed) != _fingerprint.fingerprint(stock)
+    assert choose_variant(KERNELS["rms_norm"], stock)[0].name == "llama"
+    variant, reason = choose_variant(KERNELS["rms_norm"], changed)
+    assert variant is None and "math differs" in reason
+
+
+class Counting:
+    def __init__(self, variant):
+        self.variant, self.calls = variant, 0
+
+    def __call__(self, stock, candidate):
+        self.calls += 1
+        return self.variant.probe(stock, candidate)
+
+
+def test_a_verdict_is_probed_once_per_process_unless_live_probing_is_asked(monkeypatch):
+    """The in-process memo: the same code (here a reload's new function object) is not probed again;
+    NPU_AUTOPATCH_PROBE=always probes every time."""
+    from transformers.models.llama import modeling_llama
+
+    llama = KERNELS["rms_norm"].variants[0]
+    probe = Counting(llama)
+    kernel = Kernel("rms_norm", KERNELS["rms_norm"].ops, (Variant("llama", llama.build, probe),))
+    stock = modeling_llama.LlamaRMSNorm.forward
+    reloaded = types.FunctionType(stock.__code__, stock.__globals__, stock.__name__, stock.__defaults__)
+    reloaded.__qualname__ = stock.__qualname__
+    assert choose_variant(kernel, stock)[0].name == "llama"
+    assert choose_variant(kernel, reloaded)[0].name == "llama"
+    assert probe.calls == 1
+    live(kernel, stock, monkeypatch)
+    assert probe.calls == 2
+
+
+def test_the_shipped_table_needs_no_probe(monkeypatch):
+    """A table target is patched from the shipped table: no probe runs (they would raise here)."""
+
+    def no_probe(kernel, stock):
+        raise AssertionError(f"probed {stock.__qualname__}")
+
+    monkeypatch.setattr("npu_autopatch.kernels._probe_variants", no_probe)
+    for where, kernel, stock in table_targets():
+        variant, reason = choose_variant(kernel, stock)
+        assert (variant is None) == (reason is not None), where
+
+
+def test_a_plugin_kernel_named_like_ours_is_probed(monkeypatch):
+    """A shipped verdict is for our variants: a replacement variant of the same name is probed."""
+    from transformers.models.llama import modeling_llama
+
+    llama = KERNELS["rms_norm"].variants[0]
+    refusing = Variant("llama", llama.build, lambda stock, candidate: "refused by the plugin")
+    kernel = Kernel("rms_norm", KERNELS["rms_norm"].ops, (refusing,))
+    variant, reason = choose_variant(kernel, modeling_llama.LlamaRMSNorm.forward)
+    assert variant is None and reason == "refused by the plugin"
+
+
+def test_the_generator_reports_this_transformers(capsys):
+    assert _generate.main([]) == 0
+    assert f"transformers {transformers.__version__}: " in capsys.readouterr().out
+
+
+def shipped_refusals():
+    """(kernel, fingerprint, stock) of every shipped refusal whose code this transformers has."""
+    import importlib
+
+    from npu_autopatch import _ledger
+
+    for kernel, table in _verdicts.REFUSED.items():
+        for key in table:
+            print_, name = key.split(" ")
+            module_name, _, rest = name.rpartition(".modeling_")
+            module_path, _, qualname = rest.partition(".")
+            try:
+                module = importlib.import_module(f"{module_name}.modeling_{module_path}")
+            except ImportError:
+                continue
+            found = _ledger.resolve(module, [qualname])
+            if found is not None:
+                yield KERNELS[kernel], print_, _ledger.stock_function(found[3]) or found[3]
+
+
+def test_a_shipped_refusal_is_the_live_one_word_for_word(monkeypatch):
+    """A refused target of the table is not probed either; status() gets the probe's own reason."""
+    checked = 0
+    for kernel, print_, stock in shipped_refusals():
+        if _fingerprint.fingerprint(stock) != print_:
+            continue  # the other transformers major's code under the same name
+        verdict = _fingerprint.shipped(kernel, print_, stock)
+        assert verdict[0] is None and verdict == live(kernel, stock, monkeypatch), stock.__qualname__
+        checked += 1
+    if not checked:
+        pytest.skip(f"no shipped refusal is for transformers {transformers.__version__}")

@@ -139,24 +139,19 @@ print(json.dumps({{
 """
 
 
-def test_discovery_off_lists_nothing_and_hooks_only_registered_models():
-    out, _ = child_json(TABLE_ONLY.format(args=""))
-    assert out["listings"] == 0 and out["discovery_hooked"] == 0
+def test_discovery_off_lists_nothing_and_on_adds_no_probe_and_no_import_to_a_table_model():
+    off, _ = child_json(TABLE_ONLY.format(args=""))
+    assert off["listings"] == 0 and off["discovery_hooked"] == 0
     registered = sorted(
         m.module for m in STATE.models.values() if not m.module.startswith("transformers_modules")
     )
-    assert out["hooked"] == registered  # qwen3's hook re-armed itself for a reload
-    assert out["qwen3"] == "applied"
-
-
-def test_discovery_on_adds_no_probe_and_no_import_to_a_table_model():
-    off, _ = child_json(TABLE_ONLY.format(args=""))
+    assert off["hooked"] == registered  # qwen3's hook re-armed itself for a reload
     on, _ = child_json(TABLE_ONLY.format(args="discover=True"))
     assert on["listings"] == 1 and on["discovery_hooked"] > 100  # hundreds of modules, one listing
     assert on["probes"] == off["probes"] and on["probes"]  # only qwen3's targets were probed
     assert on["models"] == off["models"]  # nothing imported to find the modules
     assert on["status"] == off["status"]  # no discovered model listed: none was imported
-    assert on["qwen3"] == "applied"
+    assert off["qwen3"] == on["qwen3"] == "applied"
 
 
 # --- disable, enable again, strict, failures, configuration ---------------------------------------
@@ -180,10 +175,15 @@ from transformers.models.diffllama import modeling_diffllama  # imported while d
 stock_import = "diffllama" not in npu_autopatch.status()
 npu_autopatch.enable(discover=True)
 again = npu_autopatch.status()
+patched_again = m.Exaone4RMSNorm.forward.__wrapped__ is original
+import importlib
+importlib.reload(m)  # new classes: patched by the hook that re-armed itself
+reloaded = m.Exaone4RMSNorm.__dict__["forward"].__wrapped__ is not original
 print(json.dumps({
     "patched": patched, "restored": restored, "hooks_left": left, "after_disable": after_disable,
     "stock_import": stock_import, "again": {k: again[k].state for k in ("exaone4", "diffllama")},
-    "patched_again": m.Exaone4RMSNorm.forward.__wrapped__ is original,
+    "patched_again": patched_again, "reloaded": reloaded,
+    "after_reload": npu_autopatch.status()["exaone4"].state,
 }))
 """
 
@@ -196,6 +196,7 @@ def test_disable_reverts_discovered_models_and_removes_their_hooks_and_enable_ag
     assert out["stock_import"]
     assert out["again"] == {"exaone4": "applied", "diffllama": "applied"}
     assert out["patched_again"]
+    assert out["reloaded"] and out["after_reload"] == "applied"
 
 
 STRICT = """
@@ -210,7 +211,7 @@ print(json.dumps({k: report[k].as_dict() for k in ("doge", "gpt2")}))
 
 
 def test_strict_mode_never_raises_for_a_candidate_nominated_by_its_name_only():
-    out, stderr = child_json(STRICT)
+    out, stderr = child_json(STRICT, RANK="0")
     assert out["doge"]["state"] == "applied" and list(out["doge"]["refused"]) == ["DogeCDMoE.forward"]
     assert out["gpt2"]["state"] == "skipped" and out["gpt2"]["code"] == "no-target", out["gpt2"]
     assert list(out["gpt2"]["refused"]) == ["GPT2MLP.forward"] and out["gpt2"]["discovered"] is True
@@ -232,6 +233,28 @@ def test_strict_mode_raises_for_a_discovered_model_with_targets_left_stock():
     child = run_python(STRICT_NO_NPU, NPU_AUTOPATCH_DISCOVER="0")
     assert child.returncode == 0, child.stderr[-3000:]
     assert child.stdout.startswith("npu_autopatch strict mode: doge skipped: torch_npu not importable")
+
+
+LOGS = """
+import logging, sys
+logging.basicConfig(stream=sys.stdout, level=logging.DEBUG, format="%(name)s|%(message)s")
+import npu_autopatch
+npu_autopatch.enable(discover=True)
+from transformers.models.doge import modeling_doge
+print("done")
+"""
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_discovered_model_logs_on_rank_0_only(rank):
+    child = run_python(LOGS, PYTHONPATH=str(STAND_IN_SITE), RANK=rank)
+    assert child.returncode == 0, child.stderr[-3000:]
+    ours = [line for line in child.stdout.splitlines() if line.startswith("npu_autopatch|")]
+    if rank == "1":
+        assert ours == []
+    else:
+        assert "npu_autopatch|npu-autopatch: doge: applied rms_norm, swiglu, rope to 3 targets" in ours
+        assert any("doge (discovered): candidates the probes refused" in line for line in ours)
 
 
 IMPORT_FAILS = """

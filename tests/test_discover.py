@@ -179,11 +179,19 @@ patched_again = m.Exaone4RMSNorm.forward.__wrapped__ is original
 import importlib
 importlib.reload(m)  # new classes: patched by the hook that re-armed itself
 reloaded = m.Exaone4RMSNorm.__dict__["forward"].__wrapped__ is not original
+after_reload = npu_autopatch.status()["exaone4"].state
+npu_autopatch.enable()  # a new selection without discovery: discovered models reverted, unhooked
+switched_off = {
+    "restored": m.Exaone4RMSNorm.__dict__["forward"].__module__ == m.__name__,
+    "listed": "exaone4" in npu_autopatch.status(),
+    "hooks": [n for n in table if ".exaone4." in n or ".doge." in n],
+}
 print(json.dumps({
+    "switched_off": switched_off,
     "patched": patched, "restored": restored, "hooks_left": left, "after_disable": after_disable,
     "stock_import": stock_import, "again": {k: again[k].state for k in ("exaone4", "diffllama")},
     "patched_again": patched_again, "reloaded": reloaded,
-    "after_reload": npu_autopatch.status()["exaone4"].state,
+    "after_reload": after_reload,
 }))
 """
 
@@ -197,6 +205,7 @@ def test_disable_reverts_discovered_models_and_removes_their_hooks_and_enable_ag
     assert out["again"] == {"exaone4": "applied", "diffllama": "applied"}
     assert out["patched_again"]
     assert out["reloaded"] and out["after_reload"] == "applied"
+    assert out["switched_off"] == {"restored": True, "listed": False, "hooks": []}
 
 
 STRICT = """

@@ -6,7 +6,8 @@ neither torch nor wrapt and reads no package metadata.
 
 enable() and disable() are symmetric: enable() arms the hooks and patches what is already
 imported; disable() puts back every object we replaced or wrapped (our kernels, the
-experts-registry entries, get_class_in_module), leaving later imports stock.
+experts-registry entries, get_class_in_module) and removes discovery's hooks, leaving later
+imports stock.
 """
 
 from __future__ import annotations

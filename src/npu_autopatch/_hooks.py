@@ -6,9 +6,11 @@
    submodules), never on ``importlib.util.find_spec("transformers")``, which accelerate,
    peft and trl call to test availability. After that it answers None to every name at the
    cost of one attribute test.
-2. Arming registers one wrapt hook per modeling module of the registry, all of them first;
+2. Arming registers one wrapt hook per modeling module of the registry, all of them first
+   (with discovery on, also one per installed modeling module no model covers: _discover);
    then the modules already imported are patched; then the collected strict errors are
    raised (by the caller). A strict failure never leaves a later model without its hook.
+   disable() takes discovery's hooks out again; the registry's stay, inert while disabled.
 3. wrapt runs a hook right after the module body, holding that module's import lock, and
    forgets it. Ours puts itself back, first in line, for the module's next execution
    (``importlib.reload``, an import retried after a failure), so those are patched in

@@ -266,6 +266,27 @@ def test_a_discovered_model_logs_on_rank_0_only(rank):
         assert any("doge (discovered): candidates the probes refused" in line for line in ours)
 
 
+LISTING_FAILS = """
+import json
+import npu_autopatch
+from npu_autopatch import _candidates
+def broken(root=None):
+    raise PermissionError("models/")
+_candidates.modeling_modules = broken
+npu_autopatch.enable(discover=True)
+from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.doge import modeling_doge
+report = npu_autopatch.status()
+print(json.dumps([report["qwen3"].state, "doge" in report]))
+"""
+
+
+def test_a_listing_that_fails_costs_discovery_only():
+    (qwen3, doge_listed), stderr = child_json(LISTING_FAILS)
+    assert qwen3 == "applied" and doge_listed is False
+    assert "could not list transformers' modeling modules" in stderr and "PermissionError" in stderr
+
+
 IMPORT_FAILS = """
 import json, sys
 import npu_autopatch

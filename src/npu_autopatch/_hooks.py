@@ -74,7 +74,7 @@ def arm(models=None):
     """
     import wrapt.importer  # noqa: F401 - outside the lock: ~70 ms the first time
 
-    listed = _discover().listing() if models is None and _discovering() else ()  # outside the lock
+    listed = _listing() if models is None and _discovering() else ()  # outside the lock
     with _log.locked:
         if not STATE.enabled:
             return []
@@ -116,6 +116,15 @@ def _discover():
     from . import _discover  # only with discovery on
 
     return _discover
+
+
+def _listing():
+    """The installed modeling modules; a failure to list them costs discovery only, never the table."""
+    try:
+        return _discover().listing()
+    except Exception as exc:
+        _log.warning(f"discovery: could not list transformers' modeling modules, none is discovered: {exc!r}")
+        return ()
 
 
 def _imported(models):

@@ -287,6 +287,26 @@ def test_a_listing_that_fails_costs_discovery_only():
     assert "could not list transformers' modeling modules" in stderr and "PermissionError" in stderr
 
 
+DISCOVERY_RAISES = """
+import json
+import npu_autopatch
+from npu_autopatch import _candidates
+def broken(module):
+    raise RuntimeError("a bug of ours")
+_candidates.candidates = broken
+npu_autopatch.enable(discover=True)
+from transformers.models.doge import modeling_doge  # the import itself must not fail
+rec = npu_autopatch.status()["doge"]
+print(json.dumps([rec.state, rec.code, rec.discovered, rec.reason]))
+"""
+
+
+def test_an_error_while_discovering_fails_that_model_only_never_the_import():
+    (state, code, discovered, reason), stderr = child_json(DISCOVERY_RAISES)
+    assert (state, code, discovered) == ("failed", "internal-error", True)
+    assert "a bug of ours" in reason and "internal error while discovering doge" in stderr
+
+
 IMPORT_FAILS = """
 import json, sys
 import npu_autopatch

@@ -96,6 +96,7 @@ def patch(module):
     failing, reported, never the user's import failing.
     """
     from ._records import PatchRecord, ReasonCode, State
+    from ._types import Model
 
     name = module.__name__
     model_type = model_type_for(name)
@@ -107,6 +108,7 @@ def patch(module):
         model, refused = _model(module, model_type, config)
     except Exception as exc:
         with _log.locked:
+            STATE.discovered[model_type] = Model(model_type, module=name)  # so that status() lists it
             STATE.records[model_type] = PatchRecord(
                 model_type,
                 name,
@@ -125,12 +127,11 @@ def patch(module):
         STATE.discovered[model_type] = model
         STATE.refused[model_type] = refused
         if wanted and not model.targets:
-            refusals = "; ".join(f"{path}: {why}" for path, why in refused.items())
             STATE.records[model_type] = PatchRecord(
                 model_type,
                 name,
                 State.SKIPPED,
-                "no candidate target the kernels reproduce" + (f" ({refusals})" if refusals else ""),
+                "no candidate is a target: the kernels' probes refused each (see refused)",
                 code=ReasonCode.NO_TARGET,
             )
             _log.debug(f"{model_type} (discovered): no target in {name}")

@@ -7,6 +7,7 @@ Bad values passed to enable() raise ValueError, because that is a bug in the cal
 
 import os
 
+from ._state import STATE
 from ._types import KERNEL_NAMES
 
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -18,6 +19,7 @@ ENV_EXCLUDE = "NPU_AUTOPATCH_EXCLUDE"
 ENV_KERNELS = "NPU_AUTOPATCH_KERNELS"
 ENV_STRICT = "NPU_AUTOPATCH_STRICT"
 ENV_LOG_ALL_RANKS = "NPU_AUTOPATCH_LOG_ALL_RANKS"
+ENV_DISCOVER = "NPU_AUTOPATCH_DISCOVER"
 
 # Long or hostile values are echoed back shortened, never evaluated; a long list of unknown
 # names is echoed in part, so that the warning stays one readable line.
@@ -87,19 +89,21 @@ def _arg_names(value, valid, what, argname):
 
 
 class Config:
-    """The resolved selection: which models and kernels, strict or not, forced or not."""
+    """The resolved selection: which models and kernels, strict or not, forced or not, and
+    whether modeling modules outside the registry are discovered."""
 
-    __slots__ = ("exclude", "force", "kernels", "models", "strict")
+    __slots__ = ("discover", "exclude", "force", "kernels", "models", "strict")
 
-    def __init__(self, models, exclude, kernels, strict, force):
+    def __init__(self, models, exclude, kernels, strict, force, discover=False):
         self.models = models  # frozenset, or None for every supported model
         self.exclude = exclude  # frozenset
         self.kernels = kernels  # frozenset, or None for every kernel
         self.strict = strict
         self.force = force
+        self.discover = discover
 
     def _key(self):
-        return (self.models, self.exclude, self.kernels, self.strict, self.force)
+        return (self.models, self.exclude, self.kernels, self.strict, self.force, self.discover)
 
     def __eq__(self, other):
         return isinstance(other, Config) and self._key() == other._key()
@@ -108,7 +112,13 @@ class Config:
         return hash(self._key())
 
     def wants(self, model_type):
-        """None if the model is selected, else (reason code, why not)."""
+        """None if the model is selected, else (reason code, why not).
+
+        A model type outside the registry is a discovered one: checked here too, so that a
+        discovery planned just before enable(discover=False) never commits.
+        """
+        if not self.discover and model_type not in STATE.models:
+            return "not-selected", "discovery is off"
         if model_type in self.exclude:
             return "excluded", "excluded by configuration"
         if self.models is not None and model_type not in self.models:
@@ -119,9 +129,10 @@ class Config:
         def show(names):
             return "all" if names is None else ",".join(sorted(names)) or "none"
 
+        discover = ", discover=True" if self.discover else ""  # off: the repr users already know
         return (
             f"Config(models={show(self.models)}, exclude={show(self.exclude)}, "
-            f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force})"
+            f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force}{discover})"
         )
 
 
@@ -135,8 +146,17 @@ def requested_models(models, exclude, environ=None):
     return set(requested)
 
 
-def resolve(models, exclude, kernels, strict, force, warn, valid_models, environ=None):
-    """Arguments override the environment; the environment overrides the defaults."""
+def discover_wanted(discover, warn, environ=None):
+    """enable(discover=...) if given, else NPU_AUTOPATCH_DISCOVER (off when unset)."""
+    return bool(discover) if discover is not None else env_flag(ENV_DISCOVER, warn, environ)
+
+
+def resolve(models, exclude, kernels, strict, force, warn, valid_models, environ=None, discover=False):
+    """Arguments override the environment; the environment overrides the defaults.
+
+    ``discover``: the already resolved discover_wanted(); ``valid_models`` then includes the
+    installed modeling modules' names that the caller found (see _discover.installed).
+    """
     environ = os.environ if environ is None else environ
     valid_models = tuple(valid_models)
     model_set = _arg_names(models, valid_models, "models", "models")
@@ -150,4 +170,4 @@ def resolve(models, exclude, kernels, strict, force, warn, valid_models, environ
         kernel_set = _env_names(environ, ENV_KERNELS, KERNEL_NAMES, "kernels", warn)
     if strict is None:
         strict = env_flag(ENV_STRICT, warn, environ)
-    return Config(model_set, exclude_set, kernel_set, bool(strict), bool(force))
+    return Config(model_set, exclude_set, kernel_set, bool(strict), bool(force), discover)

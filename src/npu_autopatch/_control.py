@@ -6,7 +6,8 @@ neither torch nor wrapt and reads no package metadata.
 
 enable() and disable() are symmetric: enable() arms the hooks and patches what is already
 imported; disable() puts back every object we replaced or wrapped (our kernels, the
-experts-registry entries, get_class_in_module), leaving later imports stock.
+experts-registry entries, get_class_in_module) and removes discovery's hooks, leaving later
+imports stock.
 """
 
 from __future__ import annotations
@@ -70,24 +71,38 @@ def enable(
     kernels: Iterable[str] | str | None = None,
     strict: bool | None = None,
     force: bool = False,
+    discover: bool | None = None,
 ) -> None:
     """Patch every selected model as soon as (or if already) its modeling module is imported.
 
-    Arguments override NPU_AUTOPATCH_MODELS / _EXCLUDE / _KERNELS / _STRICT. Calling it
+    ``discover=True`` also patches the modeling modules no registered model covers, from the
+    candidates the kernels' probes accept (see _discover). Arguments override
+    NPU_AUTOPATCH_MODELS / _EXCLUDE / _KERNELS / _STRICT / _DISCOVER. Calling it
     again with the same selection does nothing; with another selection, the models patched
     so far are reverted and the new selection is applied. Imports none of torch,
     transformers or torch_npu unless a modeling module is already imported. In strict mode
     a PatchError is raised after every hook is armed and every imported module was tried.
     """
     with _log.locked:
-        if not _config.requested_models(models, exclude) <= set(STATE.models):
+        discover = _config.discover_wanted(discover, _log.warning)
+        unknown = _config.requested_models(models, exclude) - set(STATE.models)
+        if unknown:
             from . import _plugins  # perhaps an installed plugin's model: look (rarely needed)
 
             _plugins.discover()
-        config = _config.resolve(models, exclude, kernels, strict, force, _log.warning, STATE.models)
+            unknown -= set(STATE.models)
+        valid = list(STATE.models)
+        if unknown and discover:  # a model type discovery will meet (a stat per name, no import)
+            from . import _discover
+
+            valid += sorted(_discover.installed(unknown))
+        config = _config.resolve(
+            models, exclude, kernels, strict, force, _log.warning, valid, discover=discover
+        )
         if STATE.enabled and config == STATE.config:
             return
         _revert_all("a new selection replaced the previous one")
+        _forget_discovered()
         STATE.records.clear()  # decisions taken under the previous selection no longer hold
         STATE.config = config
         STATE.enabled = True
@@ -146,15 +161,26 @@ def _revert_all(why):
             del STATE.records[model_type]
 
 
+def _forget_discovered():
+    """Drop discovery's hooks and models: a new selection discovers afresh. Caller holds the lock."""
+    if STATE.discovery_hooked:
+        _hooks().unhook_discovered()
+    STATE.discovered.clear()
+    STATE.refused.clear()
+
+
 def disable() -> None:
     """Put every replaced attribute back (the identical original object); later imports stay stock.
 
-    A target that another library replaced after us keeps that library's object.
+    A target that another library replaced after us keeps that library's object. Discovery's
+    hooks are removed; the discovered models stay listed by status() (``reverted``).
     """
     with _log.locked:
         STATE.enabled = False
         _new_generation()
         _revert_all("disable() restored the originals")
+        if STATE.discovery_hooked:
+            _hooks().unhook_discovered()
         if STATE.remote_wrapped is not None:
             _hooks().unwrap_remote()
 
@@ -191,6 +217,11 @@ def register(
                 else "already registered"
             )
             raise ValueError(f"{model.model_type!r} is {kind}; pass replace=True to replace it")
+        for discovered in [t for t, m in STATE.discovered.items() if m.module == model.module]:
+            _forget(discovered)  # a registered model replaces what discovery made of its module
+            STATE.discovered.pop(discovered)
+            STATE.refused.pop(discovered, None)
+            STATE.discovery_hooked.discard(model.module)
         _forget(model.model_type)
         STATE.models[model.model_type] = model
         arm_now = STATE.enabled and STATE.armed

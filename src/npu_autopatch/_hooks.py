@@ -6,9 +6,11 @@
    submodules), never on ``importlib.util.find_spec("transformers")``, which accelerate,
    peft and trl call to test availability. After that it answers None to every name at the
    cost of one attribute test.
-2. Arming registers one wrapt hook per modeling module of the registry, all of them first;
+2. Arming registers one wrapt hook per modeling module of the registry, all of them first
+   (with discovery on, also one per installed modeling module no model covers: _discover);
    then the modules already imported are patched; then the collected strict errors are
    raised (by the caller). A strict failure never leaves a later model without its hook.
+   disable() takes discovery's hooks out again; the registry's stay, inert while disabled.
 3. wrapt runs a hook right after the module body, holding that module's import lock, and
    forgets it. Ours puts itself back, first in line, for the module's next execution
    (``importlib.reload``, an import retried after a failure), so those are patched in
@@ -66,10 +68,13 @@ def arm_safely():
 def arm(models=None):
     """Hook every (or the given) model's module, then patch those already imported.
 
-    Returns the strict-mode PatchErrors met while patching, for the caller to raise.
+    With discovery on, arming every model also hooks the installed modeling modules that no
+    model covers (_discover). Returns the strict-mode PatchErrors met while patching, for
+    the caller to raise.
     """
     import wrapt.importer  # noqa: F401 - outside the lock: ~70 ms the first time
 
+    listed = _listing() if models is None and _discovering() else ()  # outside the lock
     with _log.locked:
         if not STATE.enabled:
             return []
@@ -84,9 +89,12 @@ def arm(models=None):
                 _hook(model.module)
         if remote:
             _hook(DYNAMIC)
+        discovering = _discover().uncovered(listed) if listed and _discovering() else []
+        _hook_all(discovering)
+        STATE.discovery_hooked.update(discovering)
         STATE.armed = True
         STATE.arm_error = None
-        imported = _imported(models)
+        imported = _imported(models) + [sys.modules[n] for n in discovering if sys.modules.get(n) is not None]
         dynamic = sys.modules.get(DYNAMIC) if remote else None
     if dynamic is not None:
         wrap_remote(dynamic)
@@ -98,6 +106,25 @@ def arm(models=None):
             continue
         errors += _patch(module)
     return errors
+
+
+def _discovering():
+    return STATE.enabled and STATE.config is not None and STATE.config.discover
+
+
+def _discover():
+    from . import _discover  # only with discovery on
+
+    return _discover
+
+
+def _listing():
+    """The installed modeling modules; a failure to list them costs discovery only, never the table."""
+    try:
+        return _discover().listing()
+    except Exception as exc:
+        _log.warning(f"discovery: could not list transformers' modeling modules, none is discovered: {exc!r}")
+        return ()
 
 
 def _imported(models):
@@ -113,10 +140,17 @@ def _patch(module):
     from ._records import PatchError
 
     try:
-        _patcher().patch_imported(module)
+        _patch_module(module)
     except PatchError as exc:
         return [exc]
     return []
+
+
+def _patch_module(module):
+    """Patch the registered models of ``module``, or discover it; raises only strict mode's PatchError."""
+    _patcher().patch_imported(module)
+    if module.__name__ in STATE.discovery_hooked:
+        _discover().patch(module)
 
 
 def _table():
@@ -150,17 +184,47 @@ def _hook(name):
     STATE.hooked.add(name)
 
 
+def _hook_all(names):
+    """_hook() for many module names (discovery's hundreds), under one acquisition of wrapt's lock."""
+    found = _table()
+    if found is None:
+        for name in names:
+            _hook(name)
+        return
+    with found[2]:
+        for name in names:
+            _hook(name)  # wrapt's lock is reentrant
+
+
+def unhook_discovered():
+    """Take discovery's hooks out of wrapt's table (disable(), a new selection). Caller holds the lock."""
+    covered = {m.module for m in STATE.models.values()}  # a model registered since shares the hook
+    names, STATE.discovery_hooked = STATE.discovery_hooked - covered, set()
+    STATE.hooked -= names
+    found = _table() if "wrapt.importer" in sys.modules else None
+    if found is None:
+        return  # wrapt's one-shot hooks stay; _on_import finds the name no longer hooked
+    _importer, table, lock = found
+    with lock:
+        for name in names:
+            pending = table.get(name)
+            if pending and _on_import in pending:
+                pending.remove(_on_import)
+                if not pending:
+                    del table[name]
+
+
 def _on_import(module):
     """The hook: wrapt calls it right after ``module``'s body ran."""
     name = getattr(module, "__name__", None)
-    if _table() is not None:
+    if _table() is not None and name in STATE.hooked:
         _hook(name)  # first, so that an import failing after us is hooked when retried
     else:
         STATE.hooked.discard(name)
     if name == DYNAMIC:
         wrap_remote(module)
     elif STATE.enabled:
-        _patcher().patch_imported(module)  # raises only strict mode's PatchError
+        _patch_module(module)  # raises only strict mode's PatchError
 
 
 def _call_hooks_when_done(module):

@@ -264,7 +264,7 @@ def _demote(key, built, exc, tensors):
             if key in held:
                 held.remove(key)
             old = STATE.records.get(model_type)
-            model = STATE.models.get(model_type)
+            model = STATE.models.get(model_type) or STATE.discovered.get(model_type)
             if old is None or model is None or model_type not in STATE.placed:
                 continue
             stock = {**old.stock, slot.where: ReasonCode.OP_FAILED}

@@ -49,6 +49,7 @@ class ReasonCode(str, enum.Enum):
     NOT_SELECTED = "not-selected"  # skipped: not in models=
     EXCLUDED = "excluded"  # skipped: in exclude=
     NO_KERNEL_SELECTED = "no-kernel-selected"  # skipped: kernels= selects none of its targets
+    NO_TARGET = "no-target"  # skipped: a discovered module where the probes accepted no candidate
     NO_NPU = "no-npu"  # skipped: torch_npu does not import, or no NPU is visible
     FOREIGN_PATCH = "foreign-patch"  # skipped: another library replaced a target before us (force=True)
     KERNEL_UNSUPPORTED = "kernel-unsupported"  # partial/skipped: the installed torch_npu cannot run it
@@ -81,6 +82,8 @@ class PatchRecord:
     the kernel variant chosen for it; ``stock`` maps each selected target left stock to its
     code; ``shared`` maps targets of this model's module that run a kernel held by other
     models (a class two models share) to those models, whatever this model's own state.
+    ``discovered``: the model is not in the registry; discovery built it from the candidates
+    the probes accepted, and ``refused`` maps the candidates they refused to why.
     """
 
     model: str
@@ -93,6 +96,8 @@ class PatchRecord:
     variants: dict[str, str] = field(default_factory=dict)
     stock: dict[str, ReasonCode] = field(default_factory=dict)
     shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    discovered: bool = False
+    refused: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         """Plain JSON-ready data."""
@@ -107,6 +112,8 @@ class PatchRecord:
             "variants": dict(self.variants),
             "stock": {target: code.value for target, code in self.stock.items()},
             "shared": {target: list(holders) for target, holders in self.shared.items()},
+            "discovered": self.discovered,
+            "refused": dict(self.refused),
         }
 
 
@@ -125,7 +132,21 @@ class PatchError(Exception):
 
 def report():
     roots = _transformers_roots()
-    return {model_type: _live(model, roots) for model_type, model in list(STATE.models.items())}
+    out = {model_type: _live(model, roots) for model_type, model in list(STATE.models.items())}
+    for model_type, model in list(STATE.discovered.items()):  # only those imported: each has a record
+        if model_type in STATE.records:
+            out[model_type] = _as_discovered(_live(model, roots), STATE.refused.get(model_type, {}))
+    return out
+
+
+def _as_discovered(rec, refused):
+    """A discovered model's record: flagged, with the candidates the probes refused named in the reason."""
+    note = "discovered outside the model table (probed, no parity test in our CI)"
+    if refused:
+        note += f"; candidates the probes refused: {', '.join(refused)}"
+    return _with(
+        rec, discovered=True, refused=dict(refused), reason="; ".join(r for r in (rec.reason, note) if r)
+    )
 
 
 def _live(model, roots):

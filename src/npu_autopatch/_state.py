@@ -27,16 +27,20 @@ class _State:
         "config",
         "deferred",
         "device",
+        "discovered",
+        "discovery_hooked",
         "enabled",
         "explicit_experts",
         "generation",
         "held",
         "hooked",
+        "listing",
         "lock",
         "models",
         "placed",
         "plugins_discovered",
         "records",
+        "refused",
         "remote_wrapped",
         "requirements",
         "slots",
@@ -60,6 +64,14 @@ class _State:
         self.arm_error = None
         self.hooked = set()
         self.remote_wrapped = None  # (dynamic_module_utils, original) while we wrap it
+        # Discovery (_discover): the installed modeling modules (root, names), listed once; the
+        # ones hooked for discovery; the Model built for each discovered module when it was
+        # imported (model type -> Model, kept after disable() for status()) and the candidates
+        # its probes refused (model type -> {path: why}).
+        self.listing = None
+        self.discovery_hooked = set()
+        self.discovered = {}
+        self.refused = {}
         # Per enable(): the device decision (torch_npu module or None, reason) and each
         # kernel's and variant's requirement verdict, keyed by id().
         self.device = None

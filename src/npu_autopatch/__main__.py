@@ -100,7 +100,9 @@ def models_markdown() -> str:
     ]
     for model in (MODELS[name] for name in BUILTIN):
         targets = "<br>".join(
-            f"{t.kernel}: {' / '.join(f'`{path}`' for path in t.paths)}" for t in model.targets
+            f"{t.kernel}: {' / '.join(f'`{path}`' for path in t.paths)}"
+            + (f" (from {t.since})" if t.since and t.since != model.since else "")
+            for t in model.targets
         )
         lines.append(f"| {model.model_type} | {', '.join(model.kernels)} | {targets} | >= {model.since} |")
     return "\n".join(lines)

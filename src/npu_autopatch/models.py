@@ -1,7 +1,7 @@
 """The model table: which target of which modeling module gets which kernel.
 
 Pure data, importable at interpreter start (no torch, no typing, no dataclasses).
-Adding a model is one ``Model(...)`` entry here plus one parameter in the parity tests.
+Adding a model is one ``Model(...)`` entry here plus its expected op counts in the parity tests.
 
 A target path is ``"Class.method"`` or ``"function"``, resolved in the model's modeling
 module. Several paths mean alternatives across transformers versions: the first that

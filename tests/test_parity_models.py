@@ -344,3 +344,14 @@ def test_a_variant_whose_math_differs_is_refused_with_the_reason(model_type, pat
     chosen, why = choose_variant(Kernel(kernel, KERNELS[kernel].ops, (only,)), stock)
     assert chosen is None
     assert reason in why, why
+
+
+def test_every_rotary_target_is_in_the_shape_sweep():
+    """Whole-model parity runs one batch shape; the shapes the device refuses are the sweep's
+    (test_rope_sweep.py), which takes its rotary functions from the table: every table model with a
+    rope target in this transformers has its functions there."""
+    from npu_autopatch.testing.rope_sweep import _rotary_functions
+
+    swept = {model for _where, owners, _function in _rotary_functions() for model in owners}
+    with_rope = {m for m in BUILTIN if "rope" in MODELS[m].kernels and present(m)}
+    assert with_rope - swept == set()

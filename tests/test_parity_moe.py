@@ -23,7 +23,6 @@ from npu_autopatch.testing import PROFILES, stand_in
 from npu_autopatch.testing.parity import (
     check_parity,
     forward_backward,
-    model_batch,
     relative_error,
     tiny_model,
     use_patched_experts,
@@ -74,14 +73,6 @@ PER_LAYER = {
 # The ops no other kernel calls (swiglu is shared with the dense MLPs).
 MOE_OWN = tuple(op for op in PER_LAYER if "swiglu" not in op)
 
-# In bf16 the gradients of the Gated DeltaNet decay parameters (A_log, dt_bias: four values
-# per layer, each a sum with heavy cancellation) are rounding noise: on the tiny qwen3_next
-# of transformers 5.24, stock bf16 is 1.4e-1 away from stock fp32 there. They are held to
-# this bound; every other tensor to the harness's tolerance.
-LINEAR_ATTENTION = ("qwen3_next", "qwen3_5_moe")
-DECAY = ("linear_attn.A_log", "linear_attn.dt_bias")
-DECAY_TOLERANCE = 1e-1
-
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
@@ -116,30 +107,10 @@ def model_type(request):
 MODEL_TYPES = pytest.mark.parametrize("model_type", sorted(MOE_LAYERS), indirect=True)
 
 
-def gradient_errors(model_type, dtype, kernels=None):
-    """{parameter: relative gradient error} of one training step, patched vs stock."""
-    model = tiny_model(model_type, dtype)
-    input_ids, labels, inputs = model_batch(model)
-    _, stock = forward_backward(model, input_ids, labels, **inputs)
-    npu_autopatch.enable(models=[model_type], kernels=kernels)
-    try:
-        _, patched = forward_backward(model, input_ids, labels, **inputs)
-    finally:
-        npu_autopatch.disable()
-    return {name: relative_error(patched[name], grad) for name, grad in stock.items() if grad is not None}
-
-
-def assert_gradients(report, dtype, kernels=None):
-    """Every gradient within tolerance (the decay parameters of linear attention: see DECAY)."""
-    if report.grad_error <= report.tolerance:
-        return
-    noisy = (
-        dtype == torch.bfloat16 and report.model in LINEAR_ATTENTION and report.worst_tensor.endswith(DECAY)
-    )
-    assert noisy, (report.worst_tensor, report.grad_error)
-    for name, error in gradient_errors(report.model, dtype, kernels).items():
-        bound = DECAY_TOLERANCE if name.endswith(DECAY) else report.tolerance
-        assert error <= bound, (name, error)
+def assert_within_tolerance(report):
+    """Logits and every gradient within the harness's bounds: TOLERANCE, BF16_TOLERANCE for the Gated
+    DeltaNet decay parameters, and in bf16 a tensor no further from fp32 than stock (``rounding``)."""
+    assert not report.over_tolerance, (report.over_tolerance, report.logits_error, report.grad_error)
 
 
 @pytest.mark.parametrize("profile", [p for p in PROFILES if p != "a2-2.6.0"])
@@ -152,8 +123,7 @@ def test_moe_kernel_matches_stock(model_type, dtype, profile):
     assert report.kernels == ("moe",)
     assert report.ops_called == expected_calls(model_type, profile)  # and nothing else ran
     assert not report.missing_grads, f"no gradient reached {report.missing_grads}"
-    assert report.logits_error <= report.tolerance, report.logits_error
-    assert_gradients(report, dtype, kernels=["moe"])
+    assert_within_tolerance(report)
 
 
 @DTYPES
@@ -171,8 +141,7 @@ def test_below_op_plugin_7_2_the_experts_run_stock_and_the_model_still_matches(m
     assert "moe" not in report.kernels and report.ops_called.get("npu_rms_norm")
     assert not any(op.startswith(("npu_moe", "npu_grouped_matmul")) for op in report.ops_called)
     assert not report.missing_grads, f"no gradient reached {report.missing_grads}"
-    assert report.logits_error <= report.tolerance, report.logits_error
-    assert_gradients(report, dtype, kernels=[k for k in KERNELS if k != "moe"])
+    assert_within_tolerance(report)
 
 
 LAZY_SCRIPT = """

@@ -92,7 +92,7 @@ def format_table(report: dict[str, PatchRecord]) -> str:
     return columns(rows)
 
 
-def _version(text: str) -> tuple[int, ...]:
+def _release(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("."))
 
 
@@ -105,7 +105,7 @@ def models_markdown() -> str:
     for model in (MODELS[name] for name in BUILTIN):
         targets = "<br>".join(
             f"{t.kernel}: {' / '.join(f'`{path}`' for path in t.paths)}"
-            + (f" (from {t.since})" if t.since and _version(t.since) > _version(model.since) else "")
+            + (f" (from {t.since})" if t.since and _release(t.since) > _release(model.since) else "")
             for t in model.targets
         )
         lines.append(f"| {model.model_type} | {', '.join(model.kernels)} | {targets} | >= {model.since} |")

@@ -135,8 +135,8 @@ MODELS = {
             Target("swiglu", "Qwen2MLP.forward"),
             Target("swiglu", "Qwen2_5OmniMLP.forward"),  # the vision tower's SwiGLU (with bias)
             Target("rope", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb"),
-            # 4.57's vision rotary is (tensor, freqs), which no variant takes.
-            Target("rope", "apply_rotary_pos_emb_vision", since="5.0"),
+            # Before 5.17 the vision rotary is (tensor, freqs), which no variant takes.
+            Target("rope", "apply_rotary_pos_emb_vision", since="5.17"),
         ),
         Model(
             "qwen3_omni_moe",  # the thinker: text (MoE) and vision tower; audio is LayerNorm + GELU

@@ -30,8 +30,6 @@ from npu_autopatch.testing.parity import (
 
 from .conftest import run_python
 
-V4 = int(transformers.__version__.split(".")[0]) < 5
-
 # Sparse (MoE) layers of each tiny model (testing.tiny keeps one layer of each kind: a dense first
 # layer where the model has one, then a sparse one).
 MOE_LAYERS = {
@@ -94,7 +92,11 @@ def present(model_type):
     except ModuleNotFoundError:
         return False
     (experts,) = [t for t in MODELS[model_type].targets if t.kernel_name == "moe"]
-    return found and not (V4 and experts.since)
+    return found and (experts.since is None or release(transformers.__version__) >= release(experts.since))
+
+
+def release(version):
+    return tuple(int(part) for part in version.split(".")[:2])
 
 
 @pytest.fixture

@@ -23,20 +23,18 @@ def _dense(model_type, prefix, rope=("apply_rotary_pos_emb",), since="4.57"):
     )
 
 
-def _moe(model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="4.57"):
+def _moe(model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="4.57", experts="5.0"):
     """A dense-layer model plus routed experts: 5.x fused ``*Experts``, else the 4.x ``block``.
 
-    Without ``block``, 4.x's experts are left to the other targets (``*MLP`` modules get swiglu) or
-    stock: its sparse block is a computation the moe kernel does not reproduce, and a refused target
+    Without ``block``, the experts target is left out before the release ``experts`` that fused
+    them: the earlier experts are left to the other targets (``*MLP`` modules get swiglu) or stock,
+    as their sparse block is a computation the moe kernel does not reproduce and a refused target
     would leave the model ``partial``.
     """
     dense = _dense(model_type, prefix, rope, since)
-    experts = (
-        Target("moe", f"{prefix}Experts.forward", block)
-        if block
-        else Target("moe", f"{prefix}Experts.forward", since="5.0")
-    )
-    return Model(model_type, *dense.targets, experts, since=since)
+    fused = f"{prefix}Experts.forward"
+    routed = Target("moe", fused, block) if block else Target("moe", fused, since=experts)
+    return Model(model_type, *dense.targets, routed, since=since)
 
 
 # In 4.x a sparse block's experts are a ModuleList and the whole block forward (or the
@@ -170,13 +168,23 @@ MODELS = {
             Target("moe", "Glm4vMoeTextExperts.forward", "Glm4vMoeTextMoE.moe"),
             # The text rotary is left out until the mrope probe refuses 4.57's partial mRoPE.
         ),
+        # The fused *Experts of GLM-4.7-Flash, GLM-5 (glm_moe_dsa), DeepSeek-V3.2 and GraniteMoE came
+        # with 5.13 (checked in the released wheels); before, their experts run stock.
         _moe(
             "glm4_moe_lite",
             "Glm4MoeLite",
             rope=("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"),
             since="5.0",
+            experts="5.13",
         ),
-        _moe("glm_moe_dsa", "GlmMoeDsa", rope=("apply_rotary_pos_emb_interleave",), since="5.2"),
+        Model(
+            "glm_moe_dsa",
+            Target("rms_norm", "GlmMoeDsaRMSNorm.forward"),
+            Target("swiglu", "GlmMoeDsaMLP.forward"),
+            Target("rope", "apply_rotary_pos_emb_interleave", since="5.11"),
+            Target("moe", "GlmMoeDsaExperts.forward", since="5.13"),
+            since="5.2",
+        ),
         # DeepSeek-V2's rotary is a complex product (view_as_complex): no variant reproduces it.
         _moe("deepseek_v2", "DeepseekV2", rope=()),
         _moe(
@@ -184,6 +192,7 @@ MODELS = {
             "DeepseekV32",
             rope=("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"),
             since="5.11",
+            experts="5.13",
         ),
         # ERNIE 4.5's rotary (even/odd over the full head, in fp32, cast back) is a form no variant has.
         _dense("ernie4_5", "Ernie4_5", rope=()),
@@ -228,11 +237,11 @@ MODELS = {
         _dense("olmo3", "Olmo3", rope=()),
         _dense("smollm3", "SmolLM3"),  # NoPE layers skip the rotary
         _dense("granite", "Granite"),
-        Model(  # 4.57's GraniteMoeMoE over ParallelExperts is another layout: stock there
+        Model(  # until 5.12 GraniteMoeMoE over ParallelExperts is another layout: stock there
             "granitemoe",
             Target("rms_norm", "GraniteMoeRMSNorm.forward"),
             Target("rope", "apply_rotary_pos_emb"),
-            Target("moe", "GraniteMoeExperts.forward", since="5.0"),
+            Target("moe", "GraniteMoeExperts.forward", since="5.13"),
         ),
         # gpt-oss: the norm only. Its experts are a clamped SwiGLU with bias on an interleaved
         # [E, H, 2I] layout and its rotary halves cos: no kernel reproduces them.

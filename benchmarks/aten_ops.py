@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import npu_autopatch
 from npu_autopatch.testing import _ops, stand_in
-from npu_autopatch.testing.parity import EXTRA, TINY, forward_backward, model_batch, tiny_model
+from npu_autopatch.testing.parity import forward_backward, model_batch, tiny_config, tiny_model
 
 STAND_IN_CODE = _ops.__file__
 
@@ -59,7 +59,7 @@ def count(model_type, layers, npu, patched):
 
 
 def per_layer(model_type, npu, patched):
-    layers = EXTRA.get(model_type, {}).get("num_hidden_layers", TINY["num_hidden_layers"])
+    layers = tiny_config(model_type).get_text_config().num_hidden_layers
     small_aten, small_fused = count(model_type, layers, npu, patched)
     big_aten, big_fused = count(model_type, layers + 1, npu, patched)
     aten = sum(big_aten.values()) - sum(small_aten.values())

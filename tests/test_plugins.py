@@ -4,7 +4,7 @@ import json
 import textwrap
 
 import pytest
-from transformers.models.granite import modeling_granite
+from transformers.models.helium import modeling_helium
 from transformers.models.qwen3 import modeling_qwen3  # noqa: F401 - imported, so enable() patches it
 
 import npu_autopatch
@@ -12,10 +12,10 @@ from npu_autopatch import Kernel, Model, Target, Variant, models
 
 from .conftest import STAND_IN_SITE, run_python
 
-GRANITE = (
-    Target("rms_norm", "GraniteRMSNorm.forward"),
-    Target("swiglu", "GraniteMLP.forward"),
-    Target("rope", "apply_rotary_pos_emb"),
+# A model type outside the built-in table (its rotary form is one no rope variant reproduces).
+HELIUM = (
+    Target("rms_norm", "HeliumRMSNorm.forward"),
+    Target("swiglu", "HeliumMLP.forward"),
 )
 
 
@@ -33,15 +33,15 @@ def registry():
 
 
 def test_register_after_enable_patches_at_once_and_disable_undoes_it(npu_stand_in, registry):
-    registry.pop("granite", None)  # an installed example plugin may have declared it
-    stock = modeling_granite.GraniteRMSNorm.__dict__["forward"]
+    registry.pop("helium", None)  # an installed example plugin may have declared it
+    stock = modeling_helium.HeliumRMSNorm.__dict__["forward"]
     npu_autopatch.enable()
-    npu_autopatch.register("granite", targets=GRANITE)
-    record = npu_autopatch.status()["granite"]
-    assert record.state == "applied" and record.kernels == ("rms_norm", "swiglu", "rope")
-    assert modeling_granite.GraniteRMSNorm.__dict__["forward"] is not stock
+    npu_autopatch.register("helium", targets=HELIUM)
+    record = npu_autopatch.status()["helium"]
+    assert record.state == "applied" and record.kernels == ("rms_norm", "swiglu")
+    assert modeling_helium.HeliumRMSNorm.__dict__["forward"] is not stock
     npu_autopatch.disable()
-    assert modeling_granite.GraniteRMSNorm.__dict__["forward"] is stock
+    assert modeling_helium.HeliumRMSNorm.__dict__["forward"] is stock
 
 
 def test_register_refuses_an_existing_model_unless_replace(npu_stand_in, registry):
@@ -59,19 +59,19 @@ def test_a_target_newer_than_the_installed_transformers_is_left_out(npu_stand_in
 
     major = int(transformers.__version__.split(".")[0])
     targets = [
-        *GRANITE,
-        Target("moe", "GraniteMoeFromTheFuture.forward", since=f"{major + 1}.0"),
-        Target("swiglu", "GraniteMLP.forward", since=f"{major}.0"),
+        *HELIUM,
+        Target("moe", "HeliumMoeFromTheFuture.forward", since=f"{major + 1}.0"),
+        Target("swiglu", "HeliumMLP.forward", since=f"{major}.0"),
     ]
-    npu_autopatch.register("granite_next", targets=targets, module=modeling_granite.__name__)
-    npu_autopatch.enable(models=["granite_next"])
-    record = npu_autopatch.status()["granite_next"]
+    npu_autopatch.register("helium_next", targets=targets, module=modeling_helium.__name__)
+    npu_autopatch.enable(models=["helium_next"])
+    record = npu_autopatch.status()["helium_next"]
     assert record.state == "applied", record.reason
-    assert "moe" not in record.kernels and record.kernels == ("rms_norm", "swiglu", "rope")
+    assert "moe" not in record.kernels and record.kernels == ("rms_norm", "swiglu")
 
 
 def test_a_custom_kernel_function(npu_stand_in, registry):
-    registry.pop("granite", None)
+    registry.pop("helium", None)
 
     def build(stock, npu, on_error):
         def forward(self, hidden_states):
@@ -80,11 +80,11 @@ def test_a_custom_kernel_function(npu_stand_in, registry):
         return forward
 
     mine = Kernel("my_rms_norm", ("npu_rms_norm",), [Variant("mine", build)])  # no probe: trusted
-    npu_autopatch.register("granite", targets=[Target(mine, "GraniteRMSNorm.forward")])
+    npu_autopatch.register("helium", targets=[Target(mine, "HeliumRMSNorm.forward")])
     npu_autopatch.enable()
-    record = npu_autopatch.status()["granite"]
+    record = npu_autopatch.status()["helium"]
     assert record.kernels == ("my_rms_norm",), record
-    norm = modeling_granite.GraniteRMSNorm(8)
+    norm = modeling_helium.HeliumRMSNorm(8)
     import torch
 
     before = npu_stand_in.calls["npu_rms_norm"]
@@ -92,7 +92,7 @@ def test_a_custom_kernel_function(npu_stand_in, registry):
     assert npu_stand_in.calls["npu_rms_norm"] == before + 1
 
 
-def _plugin_site(tmp_path, body, entry_name="granite", value="acme_npu:MODEL"):
+def _plugin_site(tmp_path, body, entry_name="helium", value="acme_npu:MODEL"):
     """A real installed distribution, as importlib.metadata sees one: code plus .dist-info."""
     (tmp_path / "acme_npu").mkdir()
     (tmp_path / "acme_npu" / "__init__.py").write_text(textwrap.dedent(body))
@@ -105,33 +105,33 @@ def _plugin_site(tmp_path, body, entry_name="granite", value="acme_npu:MODEL"):
 
 PLUGIN = """
     from npu_autopatch import Model, Target
-    MODEL = Model("granite", Target("rms_norm", "GraniteRMSNorm.forward"),
-                  Target("swiglu", "GraniteMLP.forward"), Target("rope", "apply_rotary_pos_emb"))
+    MODEL = Model("helium", Target("rms_norm", "HeliumRMSNorm.forward"),
+                  Target("swiglu", "HeliumMLP.forward"))
 """
 
 LAZY = """
     import json, sys
     import transformers
     import npu_autopatch
-    listed = npu_autopatch.status()["granite"].state
+    listed = npu_autopatch.status()["helium"].state
     loaded_early = "acme_npu" in sys.modules
-    from transformers.models.granite import modeling_granite
+    from transformers.models.helium import modeling_helium
     from transformers.models.qwen3 import modeling_qwen3
     report = npu_autopatch.status()
     npu_autopatch.disable()
-    print(json.dumps([listed, loaded_early, report["granite"].as_dict(), report["qwen3"].state,
-                      modeling_granite.GraniteRMSNorm.forward.__module__]))
+    print(json.dumps([listed, loaded_early, report["helium"].as_dict(), report["qwen3"].state,
+                      modeling_helium.HeliumRMSNorm.forward.__module__]))
 """
 
 
 def test_an_installed_plugin_is_discovered_applied_lazily_and_removable(tmp_path):
     child = run_python(LAZY, NPU_AUTOPATCH="1", PYTHONPATH=_plugin_site(tmp_path, PLUGIN))
     assert child.returncode == 0, child.stderr
-    listed, loaded_early, granite, qwen3, module_after_disable = json.loads(child.stdout)
+    listed, loaded_early, helium, qwen3, module_after_disable = json.loads(child.stdout)
     assert listed == "pending" and loaded_early is False
-    assert granite["state"] == "applied" and granite["kernels"] == ["rms_norm", "swiglu", "rope"]
+    assert helium["state"] == "applied" and helium["kernels"] == ["rms_norm", "swiglu"]
     assert qwen3 == "applied"
-    assert module_after_disable == "transformers.models.granite.modeling_granite"
+    assert module_after_disable == "transformers.models.helium.modeling_helium"
 
 
 def test_the_cli_lists_an_installed_plugin(tmp_path):
@@ -140,7 +140,7 @@ def test_the_cli_lists_an_installed_plugin(tmp_path):
         PYTHONPATH=_plugin_site(tmp_path, PLUGIN),
     )
     assert child.returncode == 0, child.stderr
-    assert json.loads(child.stdout)["models"]["granite"]["module"].endswith("modeling_granite")
+    assert json.loads(child.stdout)["models"]["helium"]["module"].endswith("modeling_helium")
 
 
 @pytest.mark.parametrize(
@@ -148,23 +148,23 @@ def test_the_cli_lists_an_installed_plugin(tmp_path):
     [
         (
             "raise ImportError('acme needs libfoo')",
-            "plugin granite = acme_npu:MODEL failed to load: ImportError: acme needs libfoo",
+            "plugin helium = acme_npu:MODEL failed to load: ImportError: acme needs libfoo",
         ),
         (
-            PLUGIN.replace("GraniteMLP", "GraniteMlp"),
-            "target GraniteMlp.forward not found in transformers.models.granite.modeling_granite",
+            PLUGIN.replace("HeliumMLP", "HeliumMlp"),
+            "target HeliumMlp.forward not found in transformers.models.helium.modeling_helium",
         ),
-        ("MODEL = 42", "plugin granite = acme_npu:MODEL failed to load: TypeError: acme_npu:MODEL is a int"),
+        ("MODEL = 42", "plugin helium = acme_npu:MODEL failed to load: TypeError: acme_npu:MODEL is a int"),
     ],
     ids=["import-error", "bad-target", "not-a-model"],
 )
 def test_a_broken_plugin_is_one_model_failing(tmp_path, body, why):
     child = run_python(LAZY, NPU_AUTOPATCH="1", PYTHONPATH=_plugin_site(tmp_path, body))
     assert child.returncode == 0, child.stderr
-    _listed, _early, granite, qwen3, module_after = json.loads(child.stdout)
-    assert granite["state"] == "failed" and granite["reason"].startswith(why), granite
+    _listed, _early, helium, qwen3, module_after = json.loads(child.stdout)
+    assert helium["state"] == "failed" and helium["reason"].startswith(why), helium
     assert qwen3 == "applied"
-    assert module_after == "transformers.models.granite.modeling_granite"
+    assert module_after == "transformers.models.helium.modeling_helium"
 
 
 TAKEOVER = """
@@ -178,7 +178,7 @@ print(json.dumps([record.state, list(record.kernels), "acme_npu" in sys.modules,
 
 
 def test_a_plugin_cannot_take_over_a_built_in_model(tmp_path):
-    plugin = PLUGIN.replace('"granite"', '"qwen3"').replace("Granite", "Qwen3")
+    plugin = PLUGIN.replace('"helium"', '"qwen3"').replace("Helium", "Qwen3")
     site = _plugin_site(tmp_path, plugin.replace("Qwen3MLP", "Qwen3Nothing"), entry_name="qwen3")
     child = run_python(TAKEOVER, NPU_AUTOPATCH="1", PYTHONPATH=site)
     assert child.returncode == 0, child.stderr

@@ -26,7 +26,9 @@ def cli(*args):
 
 
 def test_every_supported_model_verifies_on_the_stand_in():
-    run = cli(*SIMULATE, "--json")
+    # bf16, the dtype with the rounding rules (fp32: the tests below); both dtypes of every model are
+    # the parity tests', so the 45 models are verified once here, not twice (3 CPU minutes).
+    run = cli(*SIMULATE, "--dtype", "bfloat16", "--json")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert report["passed"] is True
@@ -39,14 +41,14 @@ def test_every_supported_model_verifies_on_the_stand_in():
     for result in report["results"]:
         if result["status"] == "pass":
             assert result["ops_called"].get("npu_rms_norm", 0) > 0, result
-            assert result["dtype"] in ("float32", "bfloat16")
+            assert result["dtype"] == "bfloat16"
     # The decisions for this torch_npu, and the rotary shape sweep on it.
     assert report["decisions"]["torch_npu"] == report["environment"]["torch_npu"]
     assert report["decisions"]["gated"] == {}
     assert set(report["decisions"]["rotary_layouts"]) == {"A", "B", "stock"}
     sweep = report["rope_sweep"]
     assert sweep["passed"] is True and sweep["cases"]
-    assert {c["dtype"] for c in sweep["cases"]} == {"float32", "bfloat16"}
+    assert {c["dtype"] for c in sweep["cases"]} == {"bfloat16"}
     assert all(c["status"] == "pass" for c in sweep["cases"])
 
 

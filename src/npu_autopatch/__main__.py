@@ -95,6 +95,10 @@ def format_table(report: dict[str, PatchRecord]) -> str:
     return columns(rows)
 
 
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
 def models_markdown() -> str:
     """The supported-models table of the README, generated from the model table."""
     lines = [
@@ -103,7 +107,9 @@ def models_markdown() -> str:
     ]
     for model in (MODELS[name] for name in BUILTIN):
         targets = "<br>".join(
-            f"{t.kernel}: {' / '.join(f'`{path}`' for path in t.paths)}" for t in model.targets
+            f"{t.kernel}: {' / '.join(f'`{path}`' for path in t.paths)}"
+            + (f" (from {t.since})" if t.since and _release(t.since) > _release(model.since) else "")
+            for t in model.targets
         )
         lines.append(f"| {model.model_type} | {', '.join(model.kernels)} | {targets} | >= {model.since} |")
     return "\n".join(lines)

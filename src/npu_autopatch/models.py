@@ -1,7 +1,7 @@
 """The model table: which target of which modeling module gets which kernel.
 
 Pure data, importable at interpreter start (no torch, no typing, no dataclasses).
-Adding a model is one ``Model(...)`` entry here plus one parameter in the parity tests.
+Adding a model is one ``Model(...)`` entry here plus its expected op counts in the parity tests.
 
 A target path is ``"Class.method"`` or ``"function"``, resolved in the model's modeling
 module. Several paths mean alternatives across transformers versions: the first that
@@ -12,20 +12,29 @@ the name: the patcher probes every target against the kernel before swapping.
 from ._types import Model, Target
 
 
-def _dense(model_type, prefix):
-    """The llama family: a llama-style RMSNorm, a gated SiLU MLP and the standard rotary function."""
+def _dense(model_type, prefix, rope=("apply_rotary_pos_emb",), since="4.57"):
+    """The llama family: a llama-style RMSNorm, a gated SiLU MLP and the named rotary functions."""
     return Model(
         model_type,
         Target("rms_norm", f"{prefix}RMSNorm.forward"),
         Target("swiglu", f"{prefix}MLP.forward"),
-        Target("rope", "apply_rotary_pos_emb"),
+        *(Target("rope", path) for path in rope),
+        since=since,
     )
 
 
-def _moe(model_type, prefix, block):
-    """A dense-layer model plus routed experts: 5.x fused ``*Experts``, else the 4.x block."""
-    dense = _dense(model_type, prefix)
-    return Model(model_type, *dense.targets, Target("moe", f"{prefix}Experts.forward", block))
+def _moe(model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="4.57", experts="5.0"):
+    """A dense-layer model plus routed experts: 5.x fused ``*Experts``, else the 4.x ``block``.
+
+    Without ``block``, the experts target is left out before the release ``experts`` that fused
+    them: the earlier experts are left to the other targets (``*MLP`` modules get swiglu) or stock,
+    as their sparse block is a computation the moe kernel does not reproduce and a refused target
+    would leave the model ``partial``.
+    """
+    dense = _dense(model_type, prefix, rope, since)
+    fused = f"{prefix}Experts.forward"
+    routed = Target("moe", fused, block) if block else Target("moe", fused, since=experts)
+    return Model(model_type, *dense.targets, routed, since=since)
 
 
 # In 4.x a sparse block's experts are a ModuleList and the whole block forward (or the
@@ -40,11 +49,12 @@ MODELS = {
         _dense("qwen3", "Qwen3"),
         _moe("qwen2_moe", "Qwen2Moe", "Qwen2MoeSparseMoeBlock.forward"),
         _moe("qwen3_moe", "Qwen3Moe", "Qwen3MoeSparseMoeBlock.forward"),
-        Model(
+        # The default path (config.rope_interleave=True); apply_rotary_pos_emb is the other one.
+        _moe(
             "deepseek_v3",
-            *_moe("deepseek_v3", "DeepseekV3", "DeepseekV3MoE.moe").targets,
-            # The default path (config.rope_interleave=True); apply_rotary_pos_emb is the other one.
-            Target("rope", "apply_rotary_pos_emb_interleave"),
+            "DeepseekV3",
+            "DeepseekV3MoE.moe",
+            rope=("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"),
         ),
         _dense("glm4", "Glm4"),  # fused gate_up_proj MLP; interleaved partial rotary
         _moe("glm4_moe", "Glm4Moe", "Glm4MoeMoE.moe"),
@@ -105,6 +115,137 @@ MODELS = {
             Target("rms_norm", "Gemma3RMSNorm.forward"),
             Target("rope", "apply_rotary_pos_emb"),
         ),
+        # --- issue 11: the models NPU users train (tests/test_parity_models.py lists why each
+        # target is or is not there; the scan, python -m npu_autopatch scan, lists the rest) ---
+        Model(
+            "qwen2_vl",
+            # 4.57 imports qwen2's norm: a target shared with the qwen2 model, as Qwen2.5-VL's.
+            Target("rms_norm", "Qwen2VLRMSNorm.forward", "Qwen2RMSNorm.forward"),
+            Target("swiglu", "Qwen2MLP.forward"),
+            # 4.57 mixes the mRoPE sections in the function, 5.x in the rotary embedding.
+            Target("rope", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb"),
+            Target("rope", "apply_rotary_pos_emb_vision"),
+            # The vision MLP is fc2(GELU(fc1)): not gated, stock.
+        ),
+        Model(
+            "qwen2_5_omni",  # the thinker: text and vision tower; the audio tower is LayerNorm + GELU
+            Target("rms_norm", "Qwen2_5OmniRMSNorm.forward", "Qwen2RMSNorm.forward"),
+            Target("swiglu", "Qwen2MLP.forward"),
+            Target("swiglu", "Qwen2_5OmniMLP.forward"),  # the vision tower's SwiGLU (with bias)
+            Target("rope", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb"),
+            # Before 5.17 the vision rotary is (tensor, freqs), which no variant takes.
+            Target("rope", "apply_rotary_pos_emb_vision", since="5.17"),
+        ),
+        Model(
+            "qwen3_omni_moe",  # the thinker: text (MoE) and vision tower; audio is LayerNorm + GELU
+            Target("rms_norm", "Qwen3OmniMoeThinkerTextRMSNorm.forward"),
+            Target("rms_norm", "Qwen3OmniMoeTextRMSNorm.forward"),  # the thinker's final norm
+            Target("swiglu", "Qwen3OmniMoeThinkerTextMLP.forward"),
+            Target("rope", "apply_rotary_pos_emb"),
+            Target("rope", "apply_rotary_pos_emb_vision"),
+            Target(
+                "moe",
+                "Qwen3OmniMoeThinkerTextExperts.forward",
+                "Qwen3OmniMoeThinkerTextSparseMoeBlock.forward",
+            ),
+        ),
+        _dense("glm", "Glm"),  # fused gate_up_proj MLP; interleaved partial rotary, as glm4
+        Model(
+            "glm4v",
+            Target("rms_norm", "Glm4vRMSNorm.forward"),  # text and vision tower
+            Target("swiglu", "Glm4vTextMLP.forward"),  # fused gate_up_proj
+            Target("swiglu", "Glm4VisionMlp.forward"),  # the vision tower's SwiGLU (with bias)
+            Target("rope", "apply_rotary_pos_emb_vision"),
+            # The text rotary (partial, even/odd, cos/sin used as given) is a form no variant has.
+        ),
+        Model(
+            "glm4v_moe",
+            Target("rms_norm", "Glm4vMoeTextRMSNorm.forward"),
+            Target("rms_norm", "Glm4vMoeRMSNorm.forward"),  # the vision tower
+            Target("swiglu", "Glm4vMoeTextMLP.forward"),
+            Target("swiglu", "Glm4vMoeisionMlp.forward"),  # sic: transformers' name of the vision MLP
+            Target("rope", "apply_rotary_pos_emb_vision"),
+            Target("moe", "Glm4vMoeTextExperts.forward", "Glm4vMoeTextMoE.moe"),
+            # The text rotary is left out until the mrope probe refuses 4.57's partial mRoPE.
+        ),
+        # The fused *Experts of GLM-4.7-Flash, GLM-5 (glm_moe_dsa), DeepSeek-V3.2 and GraniteMoE came
+        # with 5.13 (checked in the released wheels); before, their experts run stock.
+        _moe(
+            "glm4_moe_lite",
+            "Glm4MoeLite",
+            rope=("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"),
+            since="5.0",
+            experts="5.13",
+        ),
+        Model(
+            "glm_moe_dsa",
+            Target("rms_norm", "GlmMoeDsaRMSNorm.forward"),
+            Target("swiglu", "GlmMoeDsaMLP.forward"),
+            Target("rope", "apply_rotary_pos_emb_interleave", since="5.11"),
+            Target("moe", "GlmMoeDsaExperts.forward", since="5.13"),
+            since="5.2",
+        ),
+        # DeepSeek-V2's rotary is a complex product (view_as_complex): no variant reproduces it.
+        _moe("deepseek_v2", "DeepseekV2", rope=()),
+        _moe(
+            "deepseek_v32",
+            "DeepseekV32",
+            rope=("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"),
+            since="5.11",
+            experts="5.13",
+        ),
+        # ERNIE 4.5's rotary (even/odd over the full head, in fp32, cast back) is a form no variant has.
+        _dense("ernie4_5", "Ernie4_5", rope=()),
+        _moe("ernie4_5_moe", "Ernie4_5_Moe", rope=()),
+        _dense("hunyuan_v1_dense", "HunYuanDenseV1"),
+        _moe("hunyuan_v1_moe", "HunYuanMoEV1"),
+        Model(
+            "seed_oss",  # its MLP drops out its output (residual_dropout): no swiglu target
+            Target("rms_norm", "SeedOssRMSNorm.forward"),
+            Target("rope", "apply_rotary_pos_emb"),
+        ),
+        Model(
+            "minimax_m2",  # every layer is sparse: no dense MLP
+            Target("rms_norm", "MiniMaxM2RMSNorm.forward"),
+            Target("rope", "apply_rotary_pos_emb"),  # partial
+            Target("moe", "MiniMaxM2Experts.forward"),
+            since="5.0",
+        ),
+        # LongCat-Flash's zero-computation (identity) experts are not the moe kernel's: no moe target.
+        _dense("longcat_flash", "LongcatFlash", rope=("apply_rotary_pos_emb_interleave",)),
+        _moe("dots1", "Dots1", "Dots1MoE.moe"),
+        Model(
+            "kimi_linear",  # its gated norm gates with a sigmoid, not the gated kernel's SiLU
+            Target("rms_norm", "KimiLinearRMSNorm.forward"),
+            Target("swiglu", "KimiLinearMLP.forward"),
+            Target("moe", "KimiLinearExperts.forward"),
+            since="5.17",
+        ),
+        Model(  # 4.57's sparse block adds router jitter and names its experts w1/w3/w2: stock there
+            "mixtral",
+            Target("rms_norm", "MixtralRMSNorm.forward"),
+            Target("rope", "apply_rotary_pos_emb"),
+            Target("moe", "MixtralExperts.forward", since="5.0"),
+        ),
+        _dense("ministral", "Ministral"),
+        # Mistral3, like LLaVA and InternVL, runs a text model of its own model type (mistral,
+        # ministral, llama, qwen2 ...), patched by that entry; this is the projector's norm.
+        Model("mistral3", Target("rms_norm", "Mistral3RMSNorm.forward")),
+        _dense("phi3", "Phi3"),  # fused gate_up_proj; partial rotary
+        # OLMo 2/3's rotary casts q and k back to their dtype, which the half variant does not.
+        _dense("olmo2", "Olmo2", rope=()),
+        _dense("olmo3", "Olmo3", rope=()),
+        _dense("smollm3", "SmolLM3"),  # NoPE layers skip the rotary
+        _dense("granite", "Granite"),
+        Model(  # until 5.12 GraniteMoeMoE over ParallelExperts is another layout: stock there
+            "granitemoe",
+            Target("rms_norm", "GraniteMoeRMSNorm.forward"),
+            Target("rope", "apply_rotary_pos_emb"),
+            Target("moe", "GraniteMoeExperts.forward", since="5.13"),
+        ),
+        # gpt-oss: the norm only. Its experts are a clamped SwiGLU with bias on an interleaved
+        # [E, H, 2I] layout and its rotary halves cos: no kernel reproduces them.
+        Model("gpt_oss", Target("rms_norm", "GptOssRMSNorm.forward")),
     )
 }
 

@@ -12,7 +12,7 @@ CPU stand-in from ``npu_autopatch.testing.stand_in()``).
 from __future__ import annotations
 
 import collections
-import inspect
+import copy
 import sys
 import time
 from collections.abc import Sequence
@@ -23,108 +23,27 @@ import torch
 import npu_autopatch
 
 from ..models import MODELS
+from . import tiny
 
-# Shared tiny dimensions: hidden 64, two layers, GQA, small vocabulary.
-TINY = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "pad_token_id": 0,
-    "tie_word_embeddings": False,
-}
+# The tiny models are testing.tiny's: any model type, from its own config class, with a vision
+# (and audio) tower fed an image (and a clip) where the model has one. One builder for our tests,
+# ``verify`` and plugin authors.
+model_batch = tiny.model_batch
 
-_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-# MoE models without shared experts: a dense first layer, so that the dense MLP runs too; three
-# layers keep two sparse ones.
-_DENSE_FIRST = {"num_hidden_layers": 3, "mlp_only_layers": [0]}
-# The Gated DeltaNet layers of Qwen3-Next and Qwen3.5; the default layer types put full attention
-# on every 4th layer.
-_LINEAR_ATTENTION = {
-    "num_hidden_layers": 4,
-    "linear_num_value_heads": 4,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-}
+# The few fields the generic builder's defaults leave unfit for parity: HunYuan-MoE's default
+# config has one expert (real checkpoints have 64), which is no routing at all.
+OVERRIDES = {"hunyuan_v1_moe": {"num_experts": 4}}
 
-# Per-model additions to TINY, keyed by model type (checked to build on 4.57 and 5.x).
-EXTRA = {
-    "qwen3": {"head_dim": 16},
-    "glm4": {"head_dim": 16},
-    "gemma3": {"head_dim": 16, "sliding_window": 16},
-    "qwen2_moe": {**_MOE, "shared_expert_intermediate_size": 64},
-    "qwen3_moe": {**_MOE, **_DENSE_FIRST, "head_dim": 16, "decoder_sparse_step": 1, "norm_topk_prob": True},
-    "deepseek_v3": {
-        "num_key_value_heads": 4,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 2,
-        "topk_group": 1,
-        "moe_intermediate_size": 32,
-        "first_k_dense_replace": 1,
-        "kv_lora_rank": 16,
-        "q_lora_rank": 32,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 16,
-    },
-    "glm4_moe": {
-        "head_dim": 16,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 1,
-        "topk_group": 1,
-        "moe_intermediate_size": 32,
-        "first_k_dense_replace": 1,
-        "partial_rotary_factor": 0.5,
-    },
-    "qwen3_next": {**_MOE, **_LINEAR_ATTENTION, "head_dim": 16, "shared_expert_intermediate_size": 32},
-    # Vision-language models: these are the fields of the text model (see VISION below).
-    "qwen2_5_vl": {"head_dim": 16},
-    "qwen3_vl": {"head_dim": 16},
-    "qwen3_vl_moe": {**_MOE, **_DENSE_FIRST, "head_dim": 16, "decoder_sparse_step": 1},
-    "qwen3_5": {**_LINEAR_ATTENTION, "head_dim": 32},
-    "qwen3_5_moe": {**_MOE, **_LINEAR_ATTENTION, "head_dim": 32, "shared_expert_intermediate_size": 32},
-}
 
-# Where our model type and the config's model type differ.
-CONFIG_TYPE = {"gemma3": "gemma3_text"}
+def tiny_config(model_type: str, **overrides):
+    """testing.tiny's config of this model type, with OVERRIDES and then ``overrides`` applied."""
+    return tiny.tiny_config(model_type, **{**OVERRIDES.get(model_type, {}), **overrides})
 
-# Vision-language models are built whole (text model + a one-block vision tower) and fed one
-# image per sample, so that the vision tower's norms, MLPs and rotary embedding run too.
-VISION = {
-    "qwen2_5_vl": {"fullatt_block_indexes": [0]},
-    "qwen3_vl": {"deepstack_visual_indexes": [0], "num_position_embeddings": 16},
-    "qwen3_vl_moe": {"deepstack_visual_indexes": [0], "num_position_embeddings": 16},
-    "qwen3_5": {"num_position_embeddings": 16},
-    "qwen3_5_moe": {"num_position_embeddings": 16},
-}
-_TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
 
-# Multimodal rotary sections (T, H, W) of the text model: they sum to half the rotary dims.
-MROPE = {
-    "qwen2_5_vl": {"mrope_section": [2, 3, 3]},
-    "qwen3_vl": {"mrope_section": [4, 2, 2], "mrope_interleaved": True},
-    "qwen3_vl_moe": {"mrope_section": [4, 2, 2], "mrope_interleaved": True},
-    "qwen3_5": {"mrope_section": [2, 1, 1], "mrope_interleaved": True, "partial_rotary_factor": 0.25},
-    "qwen3_5_moe": {"mrope_section": [2, 1, 1], "mrope_interleaved": True, "partial_rotary_factor": 0.25},
-}
+def tiny_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """testing.tiny's model of this model type (the head a user trains), with OVERRIDES applied."""
+    return tiny.tiny_model(model_type, dtype, seed, **{**OVERRIDES.get(model_type, {}), **overrides})
 
-# Special tokens of the tiny vocabulary; the text of a batch is drawn below them.
-IMAGE_TOKENS = {
-    "image_token_id": 120,
-    "video_token_id": 121,
-    "vision_start_token_id": 122,
-    "vision_end_token_id": 123,
-}
-_IMAGE_GRID = (1, 4, 4)  # temporal, height, width patches of each image
 
 # max |patched - stock| / max |stock|, per tensor. fp32: only rounding order differs between
 # a fused kernel and the eager code. bf16: a fused kernel rounds once where the eager code
@@ -148,8 +67,8 @@ class ParityReport:
     are gated because the installed torch_npu cannot run their kernel (``partial``, every code
     in ``stock`` ``kernel-unsupported``: the right decision, told in ``reason``); every
     gradient reached; and no tensor beyond its bound: ``tolerance``, or in bf16
-    BF16_TOLERANCE for the parameters listed there. ``logits_error``, ``grad_error`` and
-    ``worst_tensor`` are the maxima over all tensors.
+    BF16_TOLERANCE for the parameters listed there (see also ``rounding`` and NOISE_FLOOR).
+    ``logits_error``, ``grad_error`` and ``worst_tensor`` are the maxima over all tensors.
     """
 
     model: str
@@ -166,6 +85,7 @@ class ParityReport:
     missing_grads: tuple[str, ...] = ()  # parameters with a stock gradient but none patched
     tolerance: float = 0.0
     over_tolerance: tuple[str, ...] = ()  # "logits" or "grad of ..." beyond their bound
+    rounding: tuple[str, ...] = ()  # bf16 tensors beyond it, but no further from fp32 than stock
     stock_seconds: float = float("nan")  # one forward and backward, stock
     patched_seconds: float = float("nan")  # the same, patched
 
@@ -173,87 +93,6 @@ class ParityReport:
     def passed(self) -> bool:
         gated = self.state == "partial" and all(code == "kernel-unsupported" for code in self.stock.values())
         return (self.state == "applied" or gated) and not self.missing_grads and not self.over_tolerance
-
-
-def tiny_config(model_type: str, **overrides):
-    """The tiny config of this model type; ``overrides`` replace fields of the (text) model."""
-    import transformers
-
-    fields = {**TINY, **EXTRA.get(model_type, {}), **overrides}
-    if model_type not in VISION:
-        return transformers.AutoConfig.for_model(CONFIG_TYPE.get(model_type, model_type), **fields)
-    del fields["tie_word_embeddings"]  # a field of the whole model
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, **MROPE[model_type]}
-    else:
-        fields["rope_scaling"] = {"rope_type": "default", **MROPE[model_type]}
-    return transformers.AutoConfig.for_model(
-        model_type,
-        text_config=fields,
-        vision_config={**_TINY_VISION, **VISION[model_type]},
-        tie_word_embeddings=False,
-        **IMAGE_TOKENS,
-    )
-
-
-def tiny_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
-    """A tiny random model of this type, in ``dtype``, initialised from ``seed``.
-
-    A causal LM; for the vision-language models the whole image-text model.
-    """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    config = tiny_config(model_type, **overrides)
-    torch.manual_seed(seed)
-    auto = AutoModelForImageTextToText if model_type in VISION else AutoModelForCausalLM
-    model = auto.from_config(config)
-    return model.to(dtype).train()
-
-
-def tiny_batch(vocab_size: int = TINY["vocab_size"], seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(1, vocab_size, (2, 8), generator=gen)
-    labels = torch.randint(1, vocab_size, (2, 8), generator=gen)
-    return input_ids, labels
-
-
-def tiny_image_batch(config, seed: int = 1):
-    """(input_ids, labels, image inputs) of two samples with one image each, for a VL ``config``.
-
-    Each sample is two text tokens, <vision_start>, the image's tokens (one per 2x2 merged
-    patches), <vision_end> and four text tokens. The image inputs are ``pixel_values`` and
-    ``image_grid_thw``, plus ``mm_token_type_ids`` (1 at image tokens), which 5.x requires.
-    """
-    vision = config.vision_config
-    t, h, w = _IMAGE_GRID
-    patches = t * h * w
-    image_tokens = patches // vision.spatial_merge_size**2
-    gen = torch.Generator().manual_seed(seed)
-    text = torch.randint(1, min(IMAGE_TOKENS.values()), (2, 6), generator=gen)
-    image = torch.full((2, image_tokens), IMAGE_TOKENS["image_token_id"])
-    start = torch.full((2, 1), IMAGE_TOKENS["vision_start_token_id"])
-    end = torch.full((2, 1), IMAGE_TOKENS["vision_end_token_id"])
-    input_ids = torch.cat((text[:, :2], start, image, end, text[:, 2:]), dim=1)
-    labels = torch.randint(1, config.get_text_config().vocab_size, input_ids.shape, generator=gen)
-    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    inputs = {
-        "pixel_values": torch.randn(2 * patches, patch_dim, generator=gen),
-        "image_grid_thw": torch.tensor([_IMAGE_GRID, _IMAGE_GRID]),
-        "mm_token_type_ids": (input_ids == IMAGE_TOKENS["image_token_id"]).long(),
-    }
-    return input_ids, labels, inputs
-
-
-def model_batch(model, seed: int = 1):
-    """(input_ids, labels, other inputs) for this tiny model: text, or text and images."""
-    config = model.config
-    if not hasattr(config, "vision_config"):
-        return (*tiny_batch(config.vocab_size, seed), {})
-    input_ids, labels, inputs = tiny_image_batch(config, seed)
-    accepted = inspect.signature(model.forward).parameters
-    inputs = {name: value for name, value in inputs.items() if name in accepted}  # 4.57: no mm_token_type_ids
-    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-    return input_ids, labels, inputs
 
 
 def forward_backward(model, input_ids, labels, **inputs):
@@ -273,21 +112,34 @@ def forward_backward(model, input_ids, labels, **inputs):
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |got - expected| / max |expected|; 0 for an empty tensor (DINOv3's zero register tokens)."""
+    if expected.numel() == 0:
+        return 0.0
     scale = expected.abs().max().clamp_min(1e-12)
     return ((got - expected).abs().max() / scale).item()
 
 
+# A gradient that is zero in exact arithmetic (the key bias of softmax attention, the router of a
+# top-1 MoE whose weight is renormalised to 1) is rounding noise in both runs; relative to its own
+# size the difference means nothing. Below this fraction of the largest stock gradient, in both
+# runs, it counts as zero.
+NOISE_FLOOR = 1e-6
+
+
 def compare(report: ParityReport, stock, patched) -> ParityReport:
     """Fill in the errors: logits, the worst gradient, gradients that vanished, and the tensors
-    beyond their bound."""
+    beyond their bound (gradients that are rounding noise in both runs are not)."""
     (stock_logits, stock_grads), (patched_logits, patched_grads) = stock, patched
     errors = {"logits": relative_error(patched_logits, stock_logits)}
+    largest = max(
+        (g.abs().max().item() for g in stock_grads.values() if g is not None and g.numel()), default=0
+    )
     missing = []
     for name, expected in stock_grads.items():
         got = patched_grads.get(name)
         if expected is not None and got is None:
             missing.append(name)
-        elif expected is not None:
+        elif expected is not None and not _noise(expected, got, NOISE_FLOOR * largest):
             errors[f"grad of {name}"] = relative_error(got, expected)
     loose = BF16_TOLERANCE if report.dtype == "bfloat16" else {}
     report.over_tolerance = tuple(
@@ -302,6 +154,44 @@ def compare(report: ParityReport, stock, patched) -> ParityReport:
     return report
 
 
+def _noise(expected: torch.Tensor, got: torch.Tensor, floor: float) -> bool:
+    return expected.numel() > 0 and max(expected.abs().max().item(), got.abs().max().item()) < floor
+
+
+def closer_to_fp32(report: ParityReport, model, batch, stock, patched) -> ParityReport:
+    """Accept the bf16 tensors beyond tolerance only because stock bf16 rounds more.
+
+    A fused kernel rounds once where the eager code rounds after every op, so in bf16 the patched
+    result can be closer to the exact one than stock is (an MoE router's gradient, summed with
+    heavy cancellation). Such a tensor passes when patched is no further from the fp32 run of the
+    same weights and inputs than stock bf16 is, plus the tolerance; it is named in ``rounding``.
+    """
+    if report.dtype != "bfloat16" or not report.over_tolerance:
+        return report
+    input_ids, labels, inputs = batch
+    reference = copy.deepcopy(model).float()
+    exact = forward_backward(
+        reference,
+        input_ids,
+        labels,
+        **{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()},
+    )
+    accepted = []
+    for name in report.over_tolerance:
+        param = name.removeprefix("grad of ")
+        tensors = (
+            (patched[0], stock[0], exact[0])
+            if name == "logits"
+            else (patched[1][param], stock[1][param], exact[1].get(param))
+        )
+        got, want, truth = tensors
+        if truth is not None and relative_error(got, truth) <= relative_error(want, truth) + report.tolerance:
+            accepted.append(name)
+    report.rounding = tuple(accepted)
+    report.over_tolerance = tuple(name for name in report.over_tolerance if name not in accepted)
+    return report
+
+
 def check_parity(
     model_type: str,
     dtype: torch.dtype = torch.float32,
@@ -309,6 +199,7 @@ def check_parity(
     lazy: bool = False,
     kernels: Sequence[str] | None = None,
     device: str = "cpu",
+    seed: int = 1,
     **overrides,
 ) -> ParityReport:
     """Stock vs patched for one model, in one process; patching is left disabled.
@@ -318,19 +209,21 @@ def check_parity(
     imported, so the post-import hook patches it (the path of NPU_AUTOPATCH=1); it needs a
     process that has not imported that module yet. ``npu`` is the torch_npu module whose
     ``calls`` counter (the stand-in has one) tells which ops ran. ``kernels`` selects kernels
-    as ``enable()`` does (default: all); ``overrides`` replace fields of the tiny (text) config.
+    as ``enable()`` does (default: all); ``seed`` draws the batch; ``overrides`` replace fields of
+    the tiny (text) config.
     """
     if npu_autopatch.is_enabled():
         npu_autopatch.disable()
     calls = getattr(npu, "calls", None)
-    before = collections.Counter(calls) if calls is not None else collections.Counter()
     if lazy:
         module = MODELS[model_type].module
         if module in sys.modules:
             raise RuntimeError(f"lazy parity needs a process that has not imported {module}")
         npu_autopatch.enable(models=[model_type], kernels=kernels)  # the hook patches the module on import
     model = tiny_model(model_type, dtype, **overrides).to(device)
-    input_ids, labels, inputs = (_to(t, device) for t in model_batch(model))
+    input_ids, labels, inputs = (_to(t, device) for t in model_batch(model, seed))
+    # Counted from here: building the batch runs a vision tower once to size its placeholders.
+    before = collections.Counter(calls) if calls is not None else collections.Counter()
     if not lazy:
         stock, stock_seconds = _timed(device, forward_backward, model, input_ids, labels, **inputs)
         npu_autopatch.enable(models=[model_type], kernels=kernels)  # patches the imported module at once
@@ -356,7 +249,8 @@ def check_parity(
         stock_seconds=stock_seconds,
         patched_seconds=patched_seconds,
     )
-    return compare(report, stock, patched)
+    compare(report, stock, patched)
+    return closer_to_fp32(report, model, (input_ids, labels, inputs), stock, patched)
 
 
 def use_patched_experts(model, model_type):

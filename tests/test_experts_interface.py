@@ -92,3 +92,34 @@ def test_disable_unregisters_and_a_model_built_while_patched_keeps_running(npu_s
     run(model)
     assert moe_calls(npu_stand_in) == before
     assert tiny_model("qwen3_moe").config._experts_implementation == "grouped_mm"
+
+
+def test_a_demoted_kernel_falls_back_even_under_a_wrapper_without_wrapped(npu_stand_in):
+    """A one-expert layer: the device refuses a group list of one count, so the first call takes
+    the kernel out (on_error). The model still selects our key; its fallback must not rely on
+    ``__wrapped__``, which another library's wrapper of the class forward may not keep."""
+    from transformers.models.hunyuan_v1_moe import modeling_hunyuan_v1_moe as hunyuan
+
+    experts = hunyuan.HunYuanMoEV1Experts
+    model = tiny_model("hunyuan_v1_moe", num_experts=1)
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        stock = model(tokens).logits
+    npu_autopatch.enable(models=["hunyuan_v1_moe"], kernels=["moe"])
+    model.set_experts_implementation(KEY)
+    original = experts.forward
+
+    def profiled(self, *args, **kwargs):  # e.g. a profiler's wrapper: no functools.wraps
+        return original(self, *args, **kwargs)
+
+    experts.forward = profiled
+    try:
+        with torch.no_grad():
+            first, second = model(tokens).logits, model(tokens).logits
+    finally:
+        experts.forward = original
+    record = npu_autopatch.status()["hunyuan_v1_moe"]
+    assert record.state == "partial" and record.code == "op-failed", record.reason
+    assert "group_list" in record.reason
+    torch.testing.assert_close(first, stock)
+    torch.testing.assert_close(second, stock)

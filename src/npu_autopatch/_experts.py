@@ -49,15 +49,16 @@ def interface_of(obj):
 def npu_grouped_mm(self, hidden_states, top_k_index, top_k_weights):
     """The experts implementation ``KEY``: the kernel patched into this experts class."""
     forward = getattr(type(self), ATTR, None)
-    if forward is None:  # a class we did not patch, set to KEY by hand
-        forward = _stock(type(self).forward.__wrapped__)
+    if forward is None:  # a class we did not patch (or took out again), still set to KEY
+        # Another library may have rewrapped the forward without keeping ``__wrapped__``.
+        forward = _stock(getattr(type(self).forward, "__wrapped__", None))
     return forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 def _stock(original_forward):
     """transformers' default implementation for a class; its own loop if that is missing."""
     moe = sys.modules["transformers.integrations.moe"]
-    return moe.ALL_EXPERTS_FUNCTIONS.get(DEFAULT, original_forward)
+    return moe.ALL_EXPERTS_FUNCTIONS.get(DEFAULT) or original_forward
 
 
 def fallback(wrapper):

@@ -30,19 +30,6 @@ STAND_IN_SITE = Path(__file__).resolve().parents[1] / "tests" / "stand_in_site"
 RUNS = 30
 
 
-def extra_models(path):
-    """The ``Model`` values of the first dict of models defined in ``path``."""
-    from npu_autopatch import Model
-
-    spec = importlib.util.spec_from_file_location("extra_models", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    for value in vars(module).values():
-        if isinstance(value, dict) and value and all(isinstance(m, Model) for m in value.values()):
-            return list(value.values())
-    raise SystemExit(f"{path} defines no dict of Model")
-
-
 def per_model(extra=()):
     import npu_autopatch
     from npu_autopatch import _ledger, _patcher
@@ -135,6 +122,8 @@ def main():
     args = parser.parse_args()
     if args.live:
         os.environ["NPU_AUTOPATCH_PROBE"] = "always"
+    from npu_autopatch.kernels._generate import extra_models  # the generator's reader of the same file
+
     rows = per_model(extra_models(args.extra) if args.extra else ())
     how = "every target probed live" if args.live else "verdicts reused by fingerprint where known"
     print(f"apply() per model, warm, CPU time min / median of {RUNS} (CPU stand-in, {how}):")

@@ -90,7 +90,7 @@ def live_verdicts(targets, refusals=None):
     return verdicts
 
 
-def _extra_models(path):
+def extra_models(path):
     """The ``Model`` values of the first dict of models that the Python file ``path`` defines."""
     import importlib.util
 
@@ -157,7 +157,7 @@ def main(argv=None):
     parser.add_argument("--extra", help="a Python file defining a dict of Model: table models too")
     args = parser.parse_args(argv)
     refused = {}
-    found = live_verdicts(_table_targets(_extra_models(args.extra) if args.extra else ()), refused)
+    found = live_verdicts(_table_targets(extra_models(args.extra) if args.extra else ()), refused)
     for kernel, table in live_verdicts(_candidate_targets()).items():
         for print_, name in table.items():
             previous = found.setdefault(kernel, {}).setdefault(print_, name)

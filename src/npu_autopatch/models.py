@@ -166,7 +166,7 @@ MODELS = {
             Target("swiglu", "Glm4vMoeisionMlp.forward"),  # sic: transformers' name of the vision MLP
             Target("rope", "apply_rotary_pos_emb_vision"),
             Target("moe", "Glm4vMoeTextExperts.forward", "Glm4vMoeTextMoE.moe"),
-            # The text rotary is left out until the mrope probe refuses 4.57's partial mRoPE.
+            # The text rotary is left out: 4.57's is a partial mRoPE, which the probes refuse.
         ),
         # The fused *Experts of GLM-4.7-Flash, GLM-5 (glm_moe_dsa), DeepSeek-V3.2 and GraniteMoE came
         # with 5.13 (checked in the released wheels); before, their experts run stock.

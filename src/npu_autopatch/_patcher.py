@@ -27,6 +27,7 @@ import contextlib
 import sys
 
 from . import _device, _experts, _ledger, _log
+from ._failures import is_op_failure
 from ._records import PatchError, PatchRecord, ReasonCode, State
 from ._state import STATE
 from ._types import KERNEL_NAMES, Kernel
@@ -227,9 +228,15 @@ def _load_plugin(model):
 
 
 def _on_error(model_type, key, built):
-    """Contract C1: the on_error a replacement calls when its fused op raised (never raises)."""
+    """Contract C1: the on_error a replacement calls when its fused op raised.
+
+    It re-raises what is not the op's own failure (torch's control flow, out of memory: see
+    _failures), else demotes the target and never raises.
+    """
 
     def on_error(exc, *tensors):
+        if not is_op_failure(exc):
+            raise exc
         try:
             _demote(key, built, exc, tensors)
         except Exception as internal:  # the user's forward goes on with the stock result

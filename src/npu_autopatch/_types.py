@@ -16,7 +16,9 @@ class Variant:
     documented signatures: no extra frame. When a fused op raises inside the replacement (a
     device rule nobody knew), the replacement calls ``on_error(exc, *input_tensors)`` and
     returns the stock result for that call; the patcher's ``on_error`` puts the stock code
-    back for the rest of the process and reports it. ``probe`` runs the stock code and a
+    back for the rest of the process and reports it. What is not the op's own failure
+    (torch's control flow such as checkpoint's early stop, out of memory) ``on_error``
+    re-raises untouched (see _failures). ``probe`` runs the stock code and a
     candidate built on the CPU reference ops on tiny inputs and returns None when they
     agree, else why not. ``probe=None`` trusts the variant without checking (for a
     plugin's own kernel; the parity test is then the only proof). ``requires(npu)``, when

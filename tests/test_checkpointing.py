@@ -1,0 +1,144 @@
+"""Gradient checkpointing trains patched models as stock (issue 15).
+
+Non-reentrant checkpointing stops each recomputation by raising torch's own exception through
+our replacements; a fallback that took it for a fused-op failure demoted the target and then
+crashed in checkpoint's assertion. Each form runs in its own process: a demotion is
+process-wide, so one form must not mask the other.
+"""
+
+import importlib
+import json
+
+import pytest
+import torch
+
+from npu_autopatch._failures import is_op_failure
+from npu_autopatch.models import BUILTIN
+
+from .conftest import STAND_IN_SITE, run_python
+from .test_parity_models import present
+
+# Every table model (both majors: the ones this transformers has), each step stock, then the
+# same weights and batch patched twice: the loss, every gradient, the fused ops per step.
+CHILD = """
+import collections, json, sys, torch
+import npu_autopatch
+from npu_autopatch.testing import stand_in
+from npu_autopatch.testing.parity import (
+    TOLERANCE, ParityReport, compare, forward_backward, model_batch, tiny_model, use_patched_experts,
+)
+
+reentrant = {reentrant!r}
+results = {{}}
+with stand_in() as npu:
+    for model_type in {models!r}:
+        model = tiny_model(model_type)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": reentrant}})
+        model.train()
+        input_ids, labels, inputs = model_batch(model, 1)
+
+        def step():
+            torch.manual_seed(0)
+            return forward_backward(model, input_ids, labels, **inputs)
+
+        stock = step()
+        npu_autopatch.enable(models=[model_type])
+        use_patched_experts(model, model_type)
+        ops, patched = [], None
+        for _ in range(2):
+            before = collections.Counter(npu.calls)
+            patched = step()
+            ops.append(dict(collections.Counter(npu.calls) - before))
+        record = npu_autopatch.status()[model_type]
+        npu_autopatch.disable()
+        report = compare(ParityReport(model_type, "float32", str(record.state), record.reason, record.kernels,
+                                      tolerance=TOLERANCE[torch.float32]), stock, patched)
+        results[model_type] = {{
+            "state": report.state, "reason": report.reason, "ops": ops,
+            "over": list(report.over_tolerance), "missing": list(report.missing_grads),
+            "error": max(report.logits_error, report.grad_error),
+        }}
+print(json.dumps(results))
+"""
+
+MODELS = sorted(m for m in BUILTIN if present(m))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_every_table_model_trains_with_checkpointing_as_stock(reentrant):
+    result = run_python(
+        CHILD.format(reentrant=reentrant, models=MODELS), timeout=900, PYTHONPATH=str(STAND_IN_SITE)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "taken out of" not in result.stderr, result.stderr[-3000:]  # no demotion warning
+    results = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sorted(results) == MODELS
+    for model_type, got in results.items():
+        assert got["state"] == "applied", (model_type, got["reason"])
+        first, second = got["ops"]
+        assert first and first == second, (model_type, got["ops"])  # the fused ops ran both steps
+        assert not got["missing"] and not got["over"], (model_type, got)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.utils.checkpoint._StopRecomputationError(),
+        lambda: torch.utils.checkpoint.CheckpointError("recomputed a different graph"),
+        lambda: importlib.import_module("torch._dynamo.exc").Unsupported("graph break"),
+        lambda: torch.OutOfMemoryError("NPU out of memory. Tried to allocate 2.00 GiB"),
+        lambda: RuntimeError("NPU out of memory. Tried to allocate 138.00 MiB"),
+        lambda: StopIteration(),
+    ],
+    ids=["stop-recomputation", "checkpoint-error", "dynamo", "torch-oom", "npu-oom-runtime-error", "stop"],
+)
+def test_torch_control_flow_and_out_of_memory_are_not_op_failures(make):
+    assert not is_op_failure(make())
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [RuntimeError("EZ1001: unsupported shape"), ValueError("group_list"), TypeError("bad argument")],
+)
+def test_a_fused_op_error_is_an_op_failure(exc):
+    assert is_op_failure(exc)
+
+
+OOM_KERNEL = """
+import importlib
+import json
+import torch
+import npu_autopatch
+from npu_autopatch import Kernel, Target, Variant, register
+
+def build(stock, npu, on_error):
+    def forward(self, hidden_states):
+        try:
+            raise torch.OutOfMemoryError("NPU out of memory. Tried to allocate 64.00 GiB")
+        except Exception as exc:
+            on_error(exc, hidden_states)
+            return stock(self, hidden_states)
+    return forward
+
+oom = Kernel("oom_norm", ("npu_rms_norm",), [Variant("v", build)])
+register("oom", module="transformers.models.qwen3.modeling_qwen3",
+         targets=[Target(oom, "Qwen3RMSNorm.forward")])
+from transformers.models.qwen3 import modeling_qwen3
+norm = modeling_qwen3.Qwen3RMSNorm(8)
+try:
+    norm(torch.randn(2, 8))
+    raised = None
+except torch.OutOfMemoryError as exc:
+    raised = str(exc)
+print(json.dumps({"raised": raised, "state": str(npu_autopatch.status()["oom"].state)}))
+"""
+
+
+def test_out_of_memory_reaches_the_caller_and_keeps_the_kernel():
+    result = run_python(
+        OOM_KERNEL, NPU_AUTOPATCH="1", NPU_AUTOPATCH_EXCLUDE="qwen3", PYTHONPATH=str(STAND_IN_SITE)
+    )
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got == {"raised": "NPU out of memory. Tried to allocate 64.00 GiB", "state": "applied"}, got
+    assert "taken out of" not in result.stderr

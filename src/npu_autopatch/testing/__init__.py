@@ -54,6 +54,13 @@ def _make_npu_submodule(available: bool, profile: Profile) -> types.ModuleType:
         return f"{_DEVICE_NAME}: {profile.describe()}"
 
     npu.is_available, npu.device_count, npu.get_device_name = is_available, device_count, get_device_name
+    # What trainers call on torch.npu around a run whose tensors stay on the CPU (accelerate's
+    # set_seed and free_memory, Trainer's memory metrics): no device state to touch.
+    npu.empty_cache = npu.synchronize = npu.reset_peak_memory_stats = lambda *args, **kwargs: None
+    npu.manual_seed = npu.manual_seed_all = npu.set_device = lambda *args, **kwargs: None
+    npu.memory_allocated = npu.max_memory_allocated = lambda *args, **kwargs: 0
+    npu.current_device = lambda: 0
+    npu.is_bf16_supported = lambda *args, **kwargs: True
     return npu
 
 

@@ -28,6 +28,7 @@ def test_the_kernel_is_the_default_of_patched_models_and_the_switch_still_works(
     from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
 
     experts_forward = qwen3_moe.Qwen3MoeExperts.__dict__["forward"]
+    built_before = tiny_model("qwen3_moe")
     npu_autopatch.enable(models=["qwen3_moe"], kernels=["moe"])
     assert qwen3_moe.Qwen3MoeExperts.__dict__["forward"] is experts_forward  # transformers' dispatcher stays
     assert KEY in ALL_EXPERTS_FUNCTIONS
@@ -35,7 +36,12 @@ def test_the_kernel_is_the_default_of_patched_models_and_the_switch_still_works(
     assert record.state == "applied" and record.kernels == ("moe",)
 
     model = tiny_model("qwen3_moe")
-    assert model.config._experts_implementation == KEY  # nothing requested: ours
+    assert model.config._experts_implementation == "grouped_mm"  # nothing requested: transformers' name
+    for built in (model, built_before):  # the kernel is reached at dispatch time, by that name
+        before = moe_calls(npu_stand_in)
+        run(built)
+        assert moe_calls(npu_stand_in) > before
+    model.set_experts_implementation(KEY)  # our name still works
     before = moe_calls(npu_stand_in)
     run(model)
     assert moe_calls(npu_stand_in) > before

@@ -171,7 +171,7 @@ def test_deepseek_v3s_routed_experts_are_ours_on_both_majors():
     # 4.x: the block's ``moe`` method is replaced; 5.x: the fused experts run through the interface.
     experts = _entry(report, "DeepseekV3MoE" if V4 else "DeepseekV3Experts")
     assert (experts.origin, experts.kernel) == ("ours", "moe")
-    assert experts.via == ("moe" if V4 else "experts interface 'npu_grouped_mm'")
+    assert experts.via == ("moe" if V4 else "experts interface 'grouped_mm'")
     assert report.flags == []
     assert ops["npu_grouped_matmul"] > 0
 
@@ -190,13 +190,14 @@ def test_5x_experts_are_ours_through_the_experts_interface_unless_the_config_pic
     assert (experts.origin, experts.kernel, experts.via) == (
         "ours",
         "moe",
-        "experts interface 'npu_grouped_mm'",
+        "experts interface 'grouped_mm'",
     )
     assert ours_ops["npu_grouped_matmul"] > 0
     assert (eager.origin, eager.via) == ("stock", "experts interface 'eager'")
     (flag,) = eager_report.flags
     assert (flag.kind, flag.subject) == ("stock", "Qwen3MoeExperts")
-    assert "its config selects 'eager', not 'npu_grouped_mm'" in flag.message
+    assert "its config selects 'eager'" in flag.message
+    assert "set_experts_implementation('grouped_mm') switches it" in flag.message
     assert "npu_grouped_matmul" not in eager_ops
 
 

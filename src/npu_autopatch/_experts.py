@@ -3,24 +3,28 @@
 transformers 5.x decorates each fused ``*Experts`` class with ``use_experts_implementation``:
 its ``forward`` looks up ``config._experts_implementation`` in ``ALL_EXPERTS_FUNCTIONS`` at
 every call, and ``model.set_experts_implementation(...)`` switches it. Replacing that
-``forward`` would switch the switch off. So we plug into it instead (three ledger slots):
+``forward`` would switch the switch off. So we plug into the dispatch instead (ledger slots):
 
 1. the experts class gets our built function as a class attribute (``ATTR``), per class;
-2. ``ALL_EXPERTS_FUNCTIONS`` gets one entry, ``KEY``, whose function runs the class's
-   attribute (shared by every patched model);
-3. each root ``*PreTrainedModel`` class of the patched modeling module answers ``KEY`` from
-   ``get_correct_experts_implementation`` when nothing was requested, so models built from
-   then on use the kernel by default; an explicit ``experts_implementation`` (at load, or
-   ``set_experts_implementation``) wins, and status() says which were asked for.
+2. ``ALL_EXPERTS_FUNCTIONS[DEFAULT]`` (transformers' "grouped_mm", what a model runs when
+   nothing was asked for) and ``ALL_EXPERTS_FUNCTIONS[KEY]`` become ``npu_grouped_mm``, which
+   runs the class's attribute, else what "grouped_mm" ran before us;
+3. each root ``*PreTrainedModel`` class of the patched modeling module notes explicit choices
+   in ``get_correct_experts_implementation`` (for status()), and returns what stock returns.
 
-A model built before patching keeps the implementation it resolved then (transformers'
-``grouped_mm``); ``model.set_experts_implementation(KEY)`` switches it. disable() takes our
-function out of the registry, but the name stays, as an alias of transformers' own
-``grouped_mm``: a model built while patching was on has ``KEY`` in its config and must keep
-running (stock) after disable().
+Nothing of ours is written into the user's objects (issue 16): a model's config keeps
+transformers' own value, so a model built, saved, pickled or sent to a worker while patched
+runs anywhere, and one built elsewhere gets the kernel here, because the kernel is reached at
+dispatch time by transformers' own name. An explicit choice wins: another implementation
+("eager", "batched_mm", a user's own) is simply not ours; an explicit "grouped_mm" (at load or
+through ``set_experts_implementation``) is told apart from the default only in this process
+(``STATE.default_experts`` and ``STATE.stock_experts``, weakly keyed by config), so it runs
+transformers' function here; in another process it is the default again.
+``KEY`` stays a registered name for code that asks for it; disable() leaves it as an alias of
+transformers' "grouped_mm", so a model given it keeps running (stock).
 
-The built function's per-instance fallback (contract C4) is transformers' ``grouped_mm``
-implementation, never the dispatcher, so it cannot recurse into us.
+The built function's per-instance fallback (contract C4) is what "grouped_mm" ran before us,
+never the dispatcher, so it cannot recurse into us.
 """
 
 import sys
@@ -47,26 +51,43 @@ def interface_of(obj):
 
 
 def npu_grouped_mm(self, hidden_states, top_k_index, top_k_weights):
-    """The experts implementation ``KEY``: the kernel patched into this experts class."""
-    forward = getattr(type(self), ATTR, None)
-    if forward is None:  # a class we did not patch (or took out again), still set to KEY
-        # Another library may have rewrapped the forward without keeping ``__wrapped__``.
-        forward = _stock(getattr(type(self).forward, "__wrapped__", None))
-    return forward(self, hidden_states, top_k_index, top_k_weights)
+    """The experts implementation behind ``DEFAULT`` and ``KEY`` while patched."""
+    return implementation(self)(self, hidden_states, top_k_index, top_k_weights)
 
 
-def _stock(original_forward):
-    """transformers' default implementation for a class; its own loop if that is missing."""
+def implementation(experts):
+    """The function ``npu_grouped_mm`` runs for this experts instance: the kernel, or stock's."""
+    forward = getattr(type(experts), ATTR, None)
+    if forward is None or asked_for_stock(getattr(experts, "config", None)):
+        return transformers_default()
+    return forward
+
+
+def asked_for_stock(config):
+    """Whether this config's model was explicitly given transformers' "grouped_mm" in this process."""
+    return (
+        config is not None
+        and getattr(config, "_experts_implementation", None) == DEFAULT
+        and STATE.stock_experts.get(id(config)) is config
+    )
+
+
+def transformers_default():
+    """What "grouped_mm" ran before we took its entry: transformers' grouped matmul, or whoever
+    registered it; never ``npu_grouped_mm`` itself."""
     moe = sys.modules["transformers.integrations.moe"]
-    return moe.ALL_EXPERTS_FUNCTIONS.get(DEFAULT) or original_forward
+    registry = type(moe.ALL_EXPERTS_FUNCTIONS)._global_mapping
+    slot = STATE.slots.get((id(registry), DEFAULT))
+    function = slot.original if slot is not None else registry.get(DEFAULT)
+    return moe.grouped_mm_experts_forward if function in (None, npu_grouped_mm) else function
 
 
 def fallback(wrapper):
-    """The ``stock`` an experts kernel falls back to: transformers' default, not the dispatcher."""
+    """The ``stock`` an experts kernel falls back to: what "grouped_mm" ran, not the dispatcher."""
     original = wrapper.__wrapped__
 
     def experts_stock(self, hidden_states, top_k_index, top_k_weights):
-        return _stock(original)(self, hidden_states, top_k_index, top_k_weights)
+        return transformers_default()(self, hidden_states, top_k_index, top_k_weights)
 
     experts_stock.__wrapped__ = original
     return experts_stock
@@ -87,14 +108,35 @@ def _root_model_classes(module):
 
 def _get_correct(model_type, stock):
     def get_correct_experts_implementation(self, requested_experts):
-        if requested_experts is None:
-            return KEY
-        if requested_experts != KEY:  # an explicit choice wins; status() lists it
+        configs = _configs(self.config)
+        # A submodel built on its parent's config is asked again with the value its parent's
+        # default wrote there: that is still the default, not a choice.
+        defaulted = STATE.default_experts.get(id(configs[0])) is configs[0]
+        explicit = requested_experts is not None and not (requested_experts == DEFAULT and defaulted)
+        if explicit and requested_experts != KEY:  # an explicit choice wins; status() lists it
             STATE.explicit_experts.setdefault(model_type, set()).add(requested_experts)
+        for config in configs:
+            STATE.default_experts.pop(id(config), None)
+            STATE.stock_experts.pop(id(config), None)
+            if not explicit:
+                STATE.default_experts[id(config)] = config
+            elif requested_experts == DEFAULT:
+                STATE.stock_experts[id(config)] = config
         return stock(self, requested_experts)
 
     get_correct_experts_implementation.__wrapped__ = stock
     return get_correct_experts_implementation
+
+
+def _configs(config):
+    """A config and its sub-configs (a VL model's text config holds the experts' setting)."""
+    found, stack = [], [config]
+    while stack:
+        config = stack.pop()
+        if config is not None and all(config is not seen for seen in found):
+            found.append(config)
+            stack += [getattr(config, name, None) for name in getattr(config, "sub_configs", {})]
+    return found
 
 
 def slots(model_type, module, owner, path, wrapper, interface, kernel_name, variant_name, replacement):
@@ -108,14 +150,16 @@ def slots(model_type, module, owner, path, wrapper, interface, kernel_name, vari
         )
     ]
     placed = [(f"{class_path}.{ATTR}", (id(owner), ATTR))]
-    # One entry for every patched model (joined if already in the ledger). What it held before
-    # (nothing, or the alias an earlier disable() left) comes back as the alias.
+    # Two registry entries for every patched model (joined if already in the ledger): transformers'
+    # default name, and ours. What KEY held before (nothing, or the alias an earlier disable()
+    # left) comes back as transformers' "grouped_mm", so a model given KEY keeps running.
     registry = type(interface)._global_mapping
-    current = registry.get(KEY)
-    alias = registry.get(DEFAULT) if current in (None, npu_grouped_mm) else current
-    where_key = f"ALL_EXPERTS_FUNCTIONS[{KEY!r}]"
-    slot = _ledger.Slot(registry, KEY, alias, npu_grouped_mm, True, where_key, seen=current)
-    steps.append(((id(registry), KEY), slot))
+    for name in (DEFAULT, KEY):
+        current = registry.get(name)
+        original = transformers_default() if current in (None, npu_grouped_mm) else current
+        where_key = f"ALL_EXPERTS_FUNCTIONS[{name!r}]"
+        slot = _ledger.Slot(registry, name, original, npu_grouped_mm, True, where_key, seen=current)
+        steps.append(((id(registry), name), slot))
     for cls in _root_model_classes(module):
         had_own = _GET_CORRECT in cls.__dict__
         stock = cls.__dict__[_GET_CORRECT] if had_own else getattr(cls, _GET_CORRECT)

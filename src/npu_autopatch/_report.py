@@ -229,11 +229,11 @@ def _experts_origin(instance, forward, ours):
     if function is None:
         return STOCK, via, _defined_by(forward.__wrapped__), None
     if function is _experts.npu_grouped_mm:
-        attribute = getattr(type(instance), _experts.ATTR, None)
-        if attribute is not None:
-            origin, defined_by, kernel = _origin(attribute, ours)
+        chosen = _experts.implementation(instance)
+        if chosen is getattr(type(instance), _experts.ATTR, None):
+            origin, defined_by, kernel = _origin(chosen, ours)
             return origin, via, defined_by, kernel or "moe"
-        return STOCK, via + f" (falls back to {_experts.DEFAULT!r})", _experts.__name__, None
+        return STOCK, via + f" (runs {_experts.DEFAULT!r} of transformers)", _defined_by(chosen), None
     origin, defined_by, _kernel = _origin(function, ours)
     return origin, via, defined_by, None
 
@@ -347,10 +347,12 @@ def _stock_flag(subject, where, module, path, kind, records, instance=None, via=
     code, text = _reason_for(where, module, records)
     holds_ours = getattr(type(instance), _experts.ATTR, None) is not None
     if code is None and holds_ours and via.startswith("experts interface"):
+        selected = via.removeprefix("experts interface ").split(" ")[0]
+        explicit_default = _experts.asked_for_stock(getattr(instance, "config", None))
+        switch = _experts.KEY if explicit_default else _experts.DEFAULT
         text = (
-            f"its config selects {via.removeprefix('experts interface ')}, not {_experts.KEY!r} (an explicit "
-            f"choice, or a model built before patching); model.set_experts_implementation({_experts.KEY!r}) "
-            "switches it"
+            f"its config selects {selected} (an explicit choice wins); "
+            f"model.set_experts_implementation({switch!r}) switches it to the moe kernel"
         )
     if code is None and text.endswith(("not one of its targets", "not in the model table")):
         try:

@@ -15,6 +15,7 @@ worker) never waits for them.
 
 import _thread
 import os
+import weakref  # already imported by the interpreter's start-up
 
 from .models import MODELS
 
@@ -25,6 +26,7 @@ class _State:
         "armed",
         "booted",
         "config",
+        "default_experts",
         "deferred",
         "device",
         "discovered",
@@ -44,6 +46,7 @@ class _State:
         "remote_wrapped",
         "requirements",
         "slots",
+        "stock_experts",
         "watcher",
     )
 
@@ -82,6 +85,11 @@ class _State:
         self.placed = {}  # model type -> (module, ((path, key), ...)) of its latest application
         self.records = {}  # model type -> PatchRecord of its latest decision
         self.explicit_experts = {}  # model type -> experts implementations users asked for (5.x)
+        # id(config) -> config whose "grouped_mm" is transformers' default, and of the models
+        # explicitly given "grouped_mm", in this process (_experts): weakly held, so that nothing
+        # is written into the config itself.
+        self.default_experts = weakref.WeakValueDictionary()
+        self.stock_experts = weakref.WeakValueDictionary()
         self.deferred = {}  # thread ident -> [depth, messages] while that thread holds the lock
 
 

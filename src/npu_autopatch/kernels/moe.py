@@ -63,10 +63,11 @@ experts, Qwen3-Next 512), and a cached stack would go stale after an optimizer s
 The experts-implementation registry of 5.x: the class attribute ``forward`` of a fused
 experts class is ``use_experts_implementation``'s wrapper, which looks up
 ``config._experts_implementation`` at every call. We leave it in place: the patcher
-registers ``_build_experts``'s function as an experts implementation ("npu_grouped_mm" in
-``ALL_EXPERTS_FUNCTIONS``, see _experts.py) and makes it the default of patched models, so
-``set_experts_implementation`` keeps working and an explicit choice wins. ``stock`` is then
-transformers' own default implementation, never the dispatcher (no recursion). Where this
+serves transformers' default experts implementation ("grouped_mm" in ``ALL_EXPERTS_FUNCTIONS``,
+see _experts.py) with ``_build_experts``'s function for the patched classes, so
+``set_experts_implementation`` keeps working, an explicit choice wins, and the config keeps
+transformers' own value. ``stock`` is then what "grouped_mm" ran before us, never the
+dispatcher (no recursion). Where this
 kernel does not apply (per instance: a non-SiLU ``act_fn``, or decorator flags other than
 gated, concatenated, untransposed, bias-free, no post-expert norm, no expert parallelism),
 ``stock`` runs. The probe runs the wrapper with the "eager" implementation, i.e. the

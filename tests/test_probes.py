@@ -6,6 +6,7 @@ it; otherwise a copy of the code as the other major has it, so both majors test 
 """
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -169,6 +170,27 @@ def test_moe_runs_stock_for_a_call_that_reaches_a_zero_expert():
     assert npu.calls["npu_grouped_matmul"] == 0 and not errors.calls  # stock, and no fault reported
     assert_same((moe(module, x, to_routed, weights),), (stock(module, x, to_routed, weights),), 1e-4, 1e-5)
     assert npu.calls["npu_grouped_matmul"] == 2 and not errors.calls  # the fused path where it can
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_moe_runs_stock_for_a_layer_with_one_expert(training):
+    """The device refuses a group list of one count: 4.57 Qwen3-VL-MoE's experts with one expert run
+    the stock code for the call, with no fault reported (5.x's fused experts: test_experts_interface)."""
+    experts_class = real("qwen3_vl_moe", "Qwen3VLMoeTextExperts")
+    if experts_class is None or "routing_weights" not in inspect.signature(experts_class.forward).parameters:
+        pytest.skip("transformers 5.x: the fused experts go through the experts interface")
+    name, forward, npu, errors = build("moe", experts_class.forward)
+    assert name == "experts-kn"
+    config = tiny_config("qwen3_vl_moe").get_text_config()
+    config.num_experts = 1
+    experts = experts_class(config).train(training)
+    with torch.no_grad():
+        for weight in (experts.gate_up_proj, experts.down_proj):
+            weight.copy_(torch.randn(weight.shape) / weight.shape[-1] ** 0.5)
+    x = torch.randn(2, 3, config.hidden_size)
+    index, dense = torch.zeros(6, 1, dtype=torch.long), torch.ones(6, 1)
+    assert_same((forward(experts, x, dense, index),), (experts_class.forward(experts, x, dense, index),))
+    assert npu.calls["npu_grouped_matmul"] == 0 and not errors.calls
 
 
 # --- 4. vision rotary: partial head (minimax_m3_vl), 4-D q/k (muse_glimmer) ------------------------

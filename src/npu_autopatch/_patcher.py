@@ -20,7 +20,7 @@ locks of what it imports the first time: our own modules, torch_npu, transformer
 activations and integrations, logging. A deadlock needs a thread holding one of those
 module locks while it waits for the package lock, i.e. a module among them whose import
 imports a modeling module or calls enable()/status(); none does. Patching never starts or
-joins a thread and writes its log lines after letting go of the package lock (_log).
+joins a thread and writes its log lines after letting go of the package lock (_state.locked).
 """
 
 import contextlib
@@ -28,7 +28,7 @@ import sys
 
 from . import _device, _experts, _ledger, _log
 from ._records import PatchError, PatchRecord, ReasonCode, State
-from ._state import STATE
+from ._state import STATE, locked
 from ._types import KERNEL_NAMES, Kernel
 from .kernels import KERNELS, choose_variant
 
@@ -63,7 +63,7 @@ def patch_imported(module):
         except PatchError as exc:
             errors.append(exc)
         except Exception as exc:
-            with _log.locked:
+            with locked:
                 _record(
                     model, State.FAILED, ReasonCode.INTERNAL_ERROR, f"internal error, left stock: {exc!r}"
                 )
@@ -90,7 +90,7 @@ def apply(model, module):
     Raises PatchError only in strict mode, after rolling the model back.
     """
     for _attempt in range(3):
-        with _log.locked:
+        with locked:
             if not STATE.enabled:
                 return None
             generation, config = STATE.generation, STATE.config
@@ -103,7 +103,7 @@ def apply(model, module):
             plan = _plan(model, module, config, generation)
         except _Failure as failure:
             plan = failure
-        with _log.locked:
+        with locked:
             if STATE.generation != generation or not STATE.enabled:
                 return None  # enable()/disable() came in between: their decision holds
             if model.model_type in STATE.held and _ledger.moved(model.model_type, module) is None:
@@ -194,7 +194,7 @@ def _decide_device(generation):
     if decision is not None and decision[0] == generation:
         return decision[1], decision[2]
     npu, reason = _device.probe()
-    with _log.locked:
+    with locked:
         if STATE.generation == generation and (STATE.device is None or STATE.device[0] != generation):
             STATE.device = (generation, npu, reason)
             if npu is None:
@@ -245,7 +245,7 @@ def _describe(tensors):
 
 def _demote(key, built, exc, tensors):
     """Put the stock object back for the rest of the process; record and log it once."""
-    with _log.locked:
+    with locked:
         slot = STATE.slots.get(key)
         if slot is None or not built or slot.replacement is not built[0]:
             return  # another call demoted it first (or disable() came)

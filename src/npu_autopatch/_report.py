@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from . import _candidates, _control, _experts, _ledger
 from ._records import PatchRecord, ReasonCode, State
-from ._state import STATE
+from ._state import STATE, locked
 from ._table import columns
 
 OURS, STOCK, FOREIGN = "ours", "stock", "foreign"
@@ -170,7 +170,7 @@ class _Ours:
     """Our kernels' slots in the ledger, read once under the lock: what counts as ours."""
 
     def __init__(self):
-        with STATE.lock:
+        with locked:
             self.slots = [slot for slot in STATE.slots.values() if slot.kernel is not None]
         self.kernels = {id(slot.replacement): slot.kernel for slot in self.slots}
 

@@ -122,7 +122,7 @@ def _stock(module, path):
 
 def probe(module, candidate: Candidate) -> Candidate:
     """Ask each kernel of the candidate's kind whether one of its variants reproduces it."""
-    from ._ledger import stock_function
+    from ._resolve import stock_function
     from .kernels import KERNELS, choose_variant
 
     current = _stock(module, candidate.path)

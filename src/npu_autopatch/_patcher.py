@@ -26,7 +26,7 @@ joins a thread and writes its log lines after letting go of the package lock (_s
 import contextlib
 import sys
 
-from . import _device, _experts, _ledger, _log
+from . import _device, _experts, _ledger, _log, _resolve
 from ._records import PatchError, PatchRecord, ReasonCode, State
 from ._state import STATE, locked
 from ._types import KERNEL_NAMES, Kernel
@@ -129,7 +129,7 @@ def _conclude(model, module, config, plan):
     steps, placed, stock = plan
     for key, slot in steps:
         held = STATE.slots.get(key)
-        now = _ledger.current(slot.owner, slot.attr)
+        now = _resolve.current(slot.owner, slot.attr)
         if now is not slot.seen and not (held is not None and now is held.replacement):
             raise _Changed
     stock_codes = {where: ReasonCode(code) for where, (code, _text) in stock.items()}
@@ -246,23 +246,14 @@ def _describe(tensors):
 def _demote(key, built, exc, tensors):
     """Put the stock object back for the rest of the process; record and log it once."""
     with locked:
-        slot = STATE.slots.get(key)
-        if slot is None or not built or slot.replacement is not built[0]:
+        slot = _ledger.put_back(key, built[0]) if built else None
+        if slot is None:
             return  # another call demoted it first (or disable() came)
-        del STATE.slots[key]
-        if slot.current() is slot.replacement:
-            if slot.had_own:
-                _ledger._put(slot.owner, slot.attr, slot.original)
-            else:
-                _ledger._remove(slot.owner, slot.attr)
         cause = f"{type(exc).__name__}: {exc}"
         text = (
             f"{slot.kernel} taken out of {slot.where}: its fused op raised on {_describe(tensors)}: {cause}"
         )
         for model_type in sorted(slot.holders):
-            held = STATE.held.get(model_type, [])
-            if key in held:
-                held.remove(key)
             old = STATE.records.get(model_type)
             model = STATE.models.get(model_type) or STATE.discovered.get(model_type)
             if old is None or model is None or model_type not in STATE.placed:
@@ -310,7 +301,7 @@ def _plan(model, module, config, generation):
     if not selected:
         raise _Skip("no-kernel-selected", "none of its kernels is selected")
     for target in selected:
-        found = _ledger.resolve(module, target.paths)
+        found = _resolve.resolve(module, target.paths)
         if found is None:
             raise _Failure(
                 "target-missing",
@@ -318,14 +309,14 @@ def _plan(model, module, config, generation):
                 "(renamed or removed in this transformers version?)",
             )
         path, owner, attr, current, had_own = found
-        where = _ledger.where(module, owner, path)
+        where = _resolve.where(module, owner, path)
         key = (id(owner), attr)
         slot = STATE.slots.get(key)
         if slot is not None and current is slot.replacement:  # another model put our kernel here
             steps.append((key, slot))
             placed.append((path, key))
             continue
-        holder = _ledger.foreign_holder(current, module)
+        holder = _resolve.foreign_holder(current, module)
         if holder is not None and not config.force:
             raise _Skip(
                 "foreign-patch",
@@ -347,7 +338,7 @@ def _plan(model, module, config, generation):
             continue
         refused = [v for v in kernel.variants if v not in allowed]
         kernel_now = Kernel(kernel.name, kernel.ops, allowed) if refused else kernel
-        stock_code = _ledger.stock_function(current) or current  # what the kernel must reproduce
+        stock_code = _resolve.stock_function(current) or current  # what the kernel must reproduce
         try:
             variant, mismatch = choose_variant(kernel_now, stock_code)
             # A refused variant that would reproduce the target: the torch_npu is the reason.

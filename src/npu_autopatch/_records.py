@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 
-from . import _ledger
+from . import _ledger, _resolve
 from ._experts import explicit_note
 from ._state import STATE
 
@@ -224,7 +224,7 @@ def _downgraded(rec, model_type):
                 rec,
                 state=State.OVERRIDDEN,
                 code=ReasonCode.REPLACED_AFTER_US,
-                reason=f"{slot.where} was replaced after us by {_ledger.foreign_holder(now)}",
+                reason=f"{slot.where} was replaced after us by {_resolve.foreign_holder(now)}",
             )
     return None
 

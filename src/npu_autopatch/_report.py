@@ -29,7 +29,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from . import _candidates, _control, _experts, _ledger
+from . import _candidates, _control, _experts, _resolve
 from ._records import PatchRecord, ReasonCode, State
 from ._state import STATE, locked
 from ._table import columns
@@ -184,7 +184,7 @@ def _function(obj):
             obj = obj.__func__
         else:
             break
-    return _ledger.stock_function(obj) or obj
+    return _resolve.stock_function(obj) or obj
 
 
 def _defined_by(function) -> str:
@@ -212,7 +212,7 @@ def _origin(obj, ours) -> tuple[str, str, str | None]:
         function = _function(wrapped)
     if module == "torch" or module.startswith("torch."):
         return STOCK, module, None
-    if hasattr(function, "__code__") and _ledger.is_own(function):
+    if hasattr(function, "__code__") and _resolve.is_own(function):
         return STOCK, module, None
     return FOREIGN, module, None
 
@@ -311,8 +311,8 @@ def _reason_for(where, module, records):
 def _target_at(model, module, where):
     """The Target of ``model`` that resolves to ``where`` in ``module``, or None."""
     for target in getattr(model, "targets", None) or ():
-        found = _ledger.resolve(module, target.paths)
-        if found is not None and _ledger.where(module, found[1], found[0]) == where:
+        found = _resolve.resolve(module, target.paths)
+        if found is not None and _resolve.where(module, found[1], found[0]) == where:
             return target
     return None
 

@@ -142,20 +142,14 @@ def _revert_all(why):
         _ledger().release_all(model_type)
     if not STATE.records:
         return  # at interpreter start: no need for the records' module (dataclasses, enum)
+    from dataclasses import replace
+
     from ._records import ReasonCode, State
 
     for model_type, rec in list(STATE.records.items()):
         if rec.state in (State.APPLIED, State.PARTIAL, State.OVERRIDDEN):
-            STATE.records[model_type] = type(rec)(
-                rec.model,
-                rec.module,
-                State.REVERTED,
-                why,
-                rec.kernels,
-                rec.targets,
-                ReasonCode.DISABLED,
-                rec.variants,
-                rec.stock,
+            STATE.records[model_type] = replace(
+                rec, state=State.REVERTED, cause=why, code=ReasonCode.DISABLED, stock_reasons={}
             )
         elif rec.state is not State.REVERTED:
             del STATE.records[model_type]

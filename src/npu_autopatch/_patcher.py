@@ -25,9 +25,10 @@ joins a thread and writes its log lines after letting go of the package lock (_s
 
 import contextlib
 import sys
+from dataclasses import replace
 
 from . import _device, _experts, _ledger, _log, _resolve
-from ._records import PatchError, PatchRecord, ReasonCode, State
+from ._records import PatchError, PatchRecord, ReasonCode, State, TargetReason
 from ._state import STATE, locked
 from ._types import KERNEL_NAMES, Kernel
 from .kernels import KERNELS, choose_variant
@@ -72,12 +73,13 @@ def patch_imported(module):
         raise errors[0]
 
 
-def _record(model, state, code=None, reason=None, **fields):
+def _record(model, state, code=None, cause=None, **fields):
+    """Record (and return) the model's latest decision. Caller holds the lock."""
     rec = STATE.records[model.model_type] = PatchRecord(
         model.model_type,
         model.module,
         state,
-        reason,
+        cause,
         code=None if code is None else ReasonCode(code),
         **fields,
     )
@@ -132,34 +134,26 @@ def _conclude(model, module, config, plan):
         now = _resolve.current(slot.owner, slot.attr)
         if now is not slot.seen and not (held is not None and now is held.replacement):
             raise _Changed
-    stock_codes = {where: ReasonCode(code) for where, (code, _text) in stock.items()}
-    stock_text = "; ".join(text for _code, text in stock.values())
-    first_code = next(iter(stock_codes.values()), None)
+    stock_text = "; ".join(reason.text for reason in stock.values())
+    first_code = next((reason.code for reason in stock.values()), None)
     if not steps:
-        text = "no selected target could take its kernel: " + stock_text
-        _log.warning(f"{model.model_type}: skipped: {text}")
-        return _record(model, State.SKIPPED, first_code, text, stock=stock_codes)
+        cause = "no selected target could take its kernel"
+        _log.warning(f"{model.model_type}: skipped: {cause}: {stock_text}")
+        return _record(model, State.SKIPPED, first_code, cause, stock_reasons=stock)
     if stock and config.strict:  # never committed: status() says stock, the caller raises
         _log.warning(f"{model.model_type}: partial, so strict mode left it stock: {stock_text}")
-        _record(
-            model,
-            State.SKIPPED,
-            first_code,
-            "strict mode refused a partial patch: " + stock_text,
-            stock=stock_codes,
-        )
-        return PatchRecord(
-            model.model_type, model.module, State.PARTIAL, stock_text, code=first_code, stock=stock_codes
-        )
+        refused = "strict mode refused a partial patch"
+        rec = _record(model, State.SKIPPED, first_code, refused, stock_reasons=stock)
+        return replace(rec, state=State.PARTIAL, cause=None)
     try:
         _ledger.commit(model.model_type, module, steps, placed)
     except Exception as exc:
         cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _ledger.SwapRefused) else str(exc)
         _log.warning(f"{model.model_type}: failed, left stock: {cause}")
         return _record(model, State.FAILED, ReasonCode.SWAP_FAILED, cause)
-    rec = _applied_record(model, stock_codes, stock_text)
+    rec = STATE.records[model.model_type] = _applied_record(model, stock)
     if stock:
-        listed = ", ".join(f"{where} ({code.value})" for where, code in stock_codes.items())
+        listed = ", ".join(f"{where} ({reason.code.value})" for where, reason in stock.items())
         _log.warning(
             f"{model.model_type}: partial: applied {', '.join(rec.kernels)} to {len(rec.targets)} targets; "
             f"left stock: {listed}: {stock_text}"
@@ -169,22 +163,23 @@ def _conclude(model, module, config, plan):
     return rec
 
 
-def _applied_record(model, stock_codes, stock_text):
-    """The record of what the model holds now (after a commit or a demotion). Caller holds the lock."""
+def _applied_record(model, stock):
+    """The record of what the model holds now (after a commit or a demotion), with ``stock``
+    ({target: TargetReason}) the selected targets left stock. Caller holds the lock."""
     slots = [STATE.slots[key] for key in STATE.held.get(model.model_type, ()) if key in STATE.slots]
     latest = {key for _path, key in STATE.placed[model.model_type][1]}
     mine = [s for s in slots if s.kernel is not None and (id(s.owner), s.attr) in latest]
     used = {s.kernel for s in mine}
     kernels = tuple(k for k in (*KERNEL_NAMES, *sorted(used - set(KERNEL_NAMES))) if k in used)
-    return _record(
-        model,
-        State.PARTIAL if stock_codes else State.APPLIED,
-        next(iter(stock_codes.values()), None),
-        stock_text or None,
+    return PatchRecord(
+        model.model_type,
+        model.module,
+        State.PARTIAL if stock else State.APPLIED,
+        code=next((reason.code for reason in stock.values()), None),
         kernels=kernels,
         targets=tuple(s.where for s in mine),
         variants={s.where: s.variant for s in mine if s.variant},
-        stock=dict(stock_codes),
+        stock_reasons=dict(stock),
     )
 
 
@@ -258,20 +253,8 @@ def _demote(key, built, exc, tensors):
             model = STATE.models.get(model_type) or STATE.discovered.get(model_type)
             if old is None or model is None or model_type not in STATE.placed:
                 continue
-            stock = {**old.stock, slot.where: ReasonCode.OP_FAILED}
-            reason = "; ".join(r for r in (old.reason, text) if r)
-            rec = _applied_record(model, stock, reason)
-            STATE.records[model_type] = PatchRecord(
-                rec.model,
-                rec.module,
-                State.PARTIAL,
-                reason,
-                rec.kernels,
-                rec.targets,
-                ReasonCode.OP_FAILED,
-                rec.variants,
-                stock,
-            )
+            stock = {**old.stock_reasons, slot.where: TargetReason(ReasonCode.OP_FAILED, text)}
+            STATE.records[model_type] = replace(_applied_record(model, stock), code=ReasonCode.OP_FAILED)
         models = ", ".join(sorted(slot.holders))
     _log.warning(f"{models}: {text}; that target runs stock from now on")
 
@@ -287,7 +270,7 @@ def _transformers_has(release):
 def _plan(model, module, config, generation):
     """Resolve, check, probe and build every selected target; swap nothing.
 
-    Returns (steps, placed paths, {target: (code, text)} left stock); raises _Failure/_Skip.
+    Returns (steps, placed paths, {target left stock: TargetReason}); raises _Failure/_Skip.
     """
     npu, reason = _decide_device(generation)
     if npu is None:
@@ -334,7 +317,7 @@ def _plan(model, module, config, generation):
         if unsupported is None and not allowed:
             unsupported = "; ".join(f"{v.name}: {_requirement(v, npu)}" for v in kernel.variants)
         if unsupported is not None:
-            stock[where] = ("kernel-unsupported", f"{kernel.name} not applied to {where}: {unsupported}")
+            stock[where] = _left_stock(ReasonCode.KERNEL_UNSUPPORTED, kernel, where, unsupported)
             continue
         refused = [v for v in kernel.variants if v not in allowed]
         kernel_now = Kernel(kernel.name, kernel.ops, allowed) if refused else kernel
@@ -352,10 +335,10 @@ def _plan(model, module, config, generation):
             ) from exc
         if variant is None and wanted is not None:
             why = f"its {wanted.name} variant needs a newer torch_npu: {_requirement(wanted, npu)}"
-            stock[where] = ("kernel-unsupported", f"{kernel.name} not applied to {where}: {why}")
+            stock[where] = _left_stock(ReasonCode.KERNEL_UNSUPPORTED, kernel, where, why)
             continue
         if variant is None:
-            stock[where] = ("math-differs", f"{kernel.name} not applied to {where}: {mismatch}")
+            stock[where] = _left_stock(ReasonCode.MATH_DIFFERS, kernel, where, mismatch)
             continue
         interface = _experts.interface_of(current)
         built = []
@@ -393,6 +376,10 @@ def _plan(model, module, config, generation):
         )
         placed.append((path, key))
     return steps, placed, stock
+
+
+def _left_stock(code, kernel, where, why):
+    return TargetReason(code, f"{kernel.name} not applied to {where}: {why}")
 
 
 def revert_all():

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import re
 import sys
 from dataclasses import dataclass, field
 
@@ -36,7 +35,6 @@ from ._table import columns
 
 OURS, STOCK, FOREIGN = "ours", "stock", "foreign"
 _GATED = (ReasonCode.KERNEL_UNSUPPORTED, ReasonCode.OP_MISSING)
-_NEXT_REASON = re.compile(r"; \w+ not applied to ")  # the reasons of several stock targets are joined
 
 
 @dataclass
@@ -131,7 +129,7 @@ class CoverageReport:
             lines += ["", columns(functions)]
         if self.flags:
             lines.append("")
-            lines += [f"FLAG {f.kind}: {f.subject}: {f.message}" for f in self.flags]
+            lines += [f"FLAG {_kind(f)}: {f.subject}: {f.message}" for f in self.flags]
         return "\n".join(lines)
 
     def markdown(self) -> str:
@@ -149,8 +147,12 @@ class CoverageReport:
             lines += [f"| `{f.name}` | {f.origin} | `{f.defined_by}` |" for f in self.functions]
         if self.flags:
             lines += ["", "| flag | subject | why |", "|---|---|---|"]
-            lines += [f"| {f.kind} | `{f.subject}` | {f.message} |" for f in self.flags]
+            lines += [f"| {_kind(f)} | `{f.subject}` | {f.message} |" for f in self.flags]
         return "\n".join(lines)
+
+
+def _kind(flag: Flag) -> str:
+    return f"{flag.kind} ({flag.code})" if flag.code else flag.kind
 
 
 def _via(entry: ModuleEntry) -> str:
@@ -286,8 +288,9 @@ def _hooker(instance) -> str:
 def _reason_for(where, module, records):
     """(code, text) of why ``where`` ("module:qualname") runs stock, from status(), or (None, text)."""
     for rec in records.values():
-        if where in rec.stock:
-            return rec.stock[where], _piece(rec.reason or "", where)
+        reason = rec.stock_reasons.get(where)
+        if reason is not None:
+            return reason.code, reason.text
     for rec in records.values():
         if rec.module != module.__name__:
             continue
@@ -315,16 +318,6 @@ def _target_at(model, module, where):
         if found is not None and _resolve.where(module, found[1], found[0]) == where:
             return target
     return None
-
-
-def _piece(reason, where):
-    """The part of a joined reason about ``where``."""
-    start = reason.find(f"not applied to {where}: ")
-    if start < 0:
-        return reason
-    start = reason.rfind("; ", 0, start) + 2 if "; " in reason[:start] else 0
-    found = _NEXT_REASON.search(reason, start + 1)
-    return reason[start : found.start() if found else len(reason)]
 
 
 def _probe_note(module, path, kind):

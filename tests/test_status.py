@@ -172,6 +172,16 @@ def test_a_class_rebound_by_another_library_is_named_not_called_stock(npu_stand_
     assert "LigerLikeRMSNorm" in record.reason and "run stock" not in record.reason, record.reason
 
 
+def test_a_class_rebound_before_us_is_named_with_the_target_we_wanted(npu_stand_in, monkeypatch):
+    """Liger-Kernel rebinds Qwen3RMSNorm to its LigerRMSNorm before we patch: the reason names both."""
+    monkeypatch.setattr(modeling_qwen3, "Qwen3RMSNorm", LigerLikeRMSNorm)
+    npu_autopatch.enable(models=["qwen3"])
+    record = npu_autopatch.status()["qwen3"]
+    assert (record.state, record.code) == ("skipped", "foreign-patch")
+    holder = f"{__name__}.LigerLikeRMSNorm"
+    assert f"{QWEN3}:Qwen3RMSNorm.forward is already replaced by {holder}" in record.reason, record.reason
+
+
 def test_excluded_model_sharing_a_target_is_told_truthfully(npu_stand_in, registry):
     # 4.57's Qwen2.5-VL uses qwen2's Qwen2RMSNorm; the alias stands for it on every version.
     registry(

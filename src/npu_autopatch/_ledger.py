@@ -186,7 +186,7 @@ def moved(model_type, module):
         if found is None or slot is None:
             continue
         if (id(found[1]), found[2]) != key or found[3] is not slot.replacement:
-            holder = foreign_holder(found[3], module)
+            holder = foreign_holder(found[3], module, found[1])
             if holder is not None:
                 return "replaced-after-us", f"{name}:{path} was replaced after us by {holder}"
             if (id(found[1]), found[2]) != key:

@@ -299,11 +299,12 @@ def _plan(model, module, config, generation):
             steps.append((key, slot))
             placed.append((path, key))
             continue
-        holder = _resolve.foreign_holder(current, module)
+        holder = _resolve.foreign_holder(current, module, owner)
         if holder is not None and not config.force:
+            named = f"{module.__name__}:{path}"  # the model's name for it, whoever's class holds it now
             raise _Skip(
                 "foreign-patch",
-                f"{where} is already replaced by {holder}; pass force=True to replace it anyway",
+                f"{named} is already replaced by {holder}; pass force=True to replace it anyway",
             )
         kernel = KERNELS.get(target.kernel) or target.kernel  # a built-in name, or a plugin's Kernel
         missing = [op for op in kernel.ops if not hasattr(npu, op)]

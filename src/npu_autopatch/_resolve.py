@@ -80,19 +80,30 @@ def is_own(function, module=None):
         return True
     name = namespace.get("__name__") or ""
     defining = sys.modules.get(name)
-    transformers_module = name == "transformers" or name.startswith("transformers.")
-    if transformers_module and getattr(defining, "__dict__", None) is namespace:
+    if _in_transformers(name) and getattr(defining, "__dict__", None) is namespace:
         return True
     home = _transformers_home()
     return bool(home) and os.path.realpath(function.__code__.co_filename).startswith(home)
 
 
-def foreign_holder(obj, module=None):
-    """None for the model's own code, else the name of whoever holds the target now."""
+def foreign_holder(obj, module=None, owner=None):
+    """None for the model's own code, else the name of whoever holds the target now.
+
+    ``owner`` is the class the target was found on: one from outside transformers, bound in
+    place of the model's own class (Liger-Kernel rebinds ``Qwen3RMSNorm`` to ``LigerRMSNorm``),
+    is named as that class, since its method alone would not say which name it took.
+    """
     function = stock_function(obj)
+    if function is not None and is_own(function, module):
+        return None
+    home = getattr(owner, "__module__", None) or ""
+    if isinstance(owner, type) and home != getattr(module, "__name__", None) and not _in_transformers(home):
+        return f"{home}.{owner.__qualname__} (another library's class, bound in place of the model's)"
     if function is not None:
-        if is_own(function, module):
-            return None
         return f"{function.__module__}.{function.__qualname__}"
     kind = type(obj)
     return f"{kind.__module__}.{kind.__qualname__} object"
+
+
+def _in_transformers(name):
+    return name == "transformers" or name.startswith("transformers.")

@@ -16,7 +16,9 @@ implementation: only the live object tells. So the report reads the model, not t
 - the module-level rotary functions of the model's modeling modules;
 - flags: a norm/MLP/experts/rotary-looking target on stock code (named by
   ``_candidates``' patterns) with the reason from status(), a kernel the installed torch_npu
-  cannot run (with its requirement), and instances captured before or while patched.
+  cannot run (with its requirement), and instances captured before or while patched;
+  code of any other origin (the user's own classes, another library's code in transformers'
+  place) that a kernel reproduces, as the probes say, with how to patch it.
 
 Imports torch (through ``_candidates``); only imported when a report is asked for.
 """
@@ -34,6 +36,8 @@ from ._state import STATE, locked
 from ._table import columns
 
 OURS, STOCK, FOREIGN = "ours", "stock", "foreign"
+# Modules whose classes are library code, not the user's own (whose rotary functions are listed too).
+_LIBRARIES = ("builtins", "torch", "transformers", "npu_autopatch")
 _GATED = (ReasonCode.KERNEL_UNSUPPORTED, ReasonCode.OP_MISSING)
 
 
@@ -54,7 +58,8 @@ class ModuleEntry:
 
 @dataclass
 class FunctionEntry:
-    """One module-level rotary function of the model's modeling modules."""
+    """One module-level rotary function of the model's modeling modules (or of the user's own
+    modules its classes come from)."""
 
     name: str  # "module:function"
     origin: str
@@ -66,7 +71,8 @@ class FunctionEntry:
 class Flag:
     """Something a user wants to know: a target left stock, a gated kernel, a captured instance."""
 
-    kind: str  # stock / gated / captured-before-patching / captured-while-patched / instance-forward
+    # stock / gated / unpatched / captured-before-patching / captured-while-patched / instance-forward
+    kind: str
     subject: str  # the class or function it is about
     message: str
     code: str | None = None  # status()'s reason code, when it has one
@@ -326,7 +332,7 @@ def _probe_note(module, path, kind):
     if candidate.kernel is not None:
         return (
             f"the probes say {candidate.kernel} reproduces it ({candidate.variant}): "
-            "`python -m npu_autopatch scan` and opt-in discovery can take it"
+            "enable(discover=True) or NPU_AUTOPATCH_DISCOVER=1 patches it"
         )
     refused = "; ".join(f"{kernel}: {_short(why)}" for kernel, why in candidate.refused.items())
     return f"no kernel reproduces it ({refused})"
@@ -369,44 +375,50 @@ def report(model) -> CoverageReport:
     groups: dict[type, list[tuple[str, object]]] = {}
     for name, instance in model.named_modules(remove_duplicate=True):
         groups.setdefault(type(instance), []).append((name or "<root>", instance))
-    modules, flags, modeling = [], [], {}
+    modules, flags, modeling, own = [], [], {}, {}
     for cls, instances in groups.items():
         entry, entry_flags = _entry(cls, instances, ours)
         modules.append(entry)
         flags += entry_flags
         home = sys.modules.get(cls.__module__)
-        if cls.__module__.startswith(("transformers.models.", "transformers_modules.")) and home is not None:
+        if home is None:
+            continue
+        if cls.__module__.startswith(("transformers.models.", "transformers_modules.")):
             modeling[cls.__module__] = home
+        elif not cls.__module__.startswith(_LIBRARIES):
+            own[cls.__module__] = home
     relevant = {k: r for k, r in records.items() if r.module in modeling}
+    unpatched = []  # (subject, module name, path, code, kind): code no kernel of ours runs
     for (cls, instances), entry in zip(groups.items(), modules, strict=True):
-        stock_class = entry.origin == STOCK and entry.runs.get(STOCK)  # captured ones are flagged apart
-        if entry.kind is not None and stock_class and cls.__module__ in modeling:
-            if entry.kind == "moe" and _holds_experts(instances[0][1]):
-                continue  # 5.x: the block routes, its fused experts module (reported itself) computes
-            where = f"{cls.__module__}:{cls.__qualname__}.forward"
-            path = f"{cls.__qualname__}.forward"
-            flags.append(
-                _stock_flag(
-                    cls.__qualname__,
-                    where,
-                    modeling[cls.__module__],
-                    path,
-                    entry.kind,
-                    records,
-                    instances[0][1],
-                    entry.via,
+        if entry.kind is None or entry.origin == OURS:
+            continue
+        if entry.kind == "moe" and _holds_experts(instances[0][1]):
+            continue  # 5.x: the block routes, its fused experts module (reported itself) computes
+        path = f"{cls.__qualname__}.forward"
+        if entry.origin == STOCK and cls.__module__ in modeling:
+            if entry.runs.get(STOCK):  # captured ones are flagged apart
+                where = f"{cls.__module__}:{path}"
+                module = modeling[cls.__module__]
+                flags.append(
+                    _stock_flag(
+                        cls.__qualname__, where, module, path, entry.kind, records, instances[0][1], entry.via
+                    )
                 )
-            )
+        elif entry.runs.get(entry.origin) and not entry.via.startswith("experts interface"):
+            unpatched.append((cls.__qualname__, cls.__module__, path, cls.forward, entry.kind))
     functions = []
-    for module_name, module in modeling.items():
+    for module_name, module in {**modeling, **own}.items():
         for name, obj in sorted(vars(module).items()):
             if not _candidates._ROPE.match(name) or not callable(obj) or isinstance(obj, type):
                 continue
             origin, defined_by, kernel = _origin(obj, ours)
             where = f"{module_name}:{name}"
             functions.append(FunctionEntry(where, origin, defined_by, kernel))
-            if origin == STOCK:
+            if origin == STOCK and module_name in modeling:
                 flags.append(_stock_flag(where, where, module, name, "rope", records))
+            elif origin != OURS:
+                unpatched.append((where, module_name, name, obj, "rope"))
+    flags += _unpatched_flags(unpatched, modeling, records)
     config = getattr(model, "config", None)
     return CoverageReport(
         type(model).__qualname__,
@@ -416,6 +428,43 @@ def report(model) -> CoverageReport:
         flags,
         relevant,
     )
+
+
+def _unpatched_flags(unpatched, modeling, records):
+    """Flags for code of any origin that a kernel reproduces (the probes say so) and that no kernel of
+    ours runs: another library's code in transformers' place, or the user's own classes and functions."""
+    reproduced = []
+    for subject, module_name, path, code, kind in unpatched:
+        try:
+            candidate = _candidates.probe_code(code, _candidates.Candidate(path, kind, module_name))
+        except Exception:  # code the probes cannot even read is not a kernel's target
+            continue
+        if candidate.kernel is not None:
+            reproduced.append((subject, candidate))
+    by_module = {}  # the user's module -> its reproduced targets: one register() call each
+    for _subject, candidate in reproduced:
+        if candidate.defined_in not in modeling:
+            by_module.setdefault(candidate.defined_in, []).append(candidate)
+    flags = []
+    for subject, candidate in reproduced:
+        found = f"the probes say {candidate.kernel} reproduces it ({candidate.variant})"
+        home = candidate.defined_in
+        if home in modeling:  # transformers' class or function, holding another library's code
+            code, text = _reason_for(f"{home}:{candidate.path}", modeling[home], records)
+            if code is None:
+                text += "; enable(discover=True, force=True) patches it"
+            flags.append(Flag("unpatched", subject, f"{found}: {text}", None if code is None else code.value))
+        else:
+            call = _register_call(home, by_module[home])
+            flags.append(Flag("unpatched", subject, f"{found}, but nothing patches it: {call}"))
+    return flags
+
+
+def _register_call(module_name, candidates):
+    """The register() call that patches ``candidates`` of the user's module ``module_name``."""
+    model_type = module_name.rpartition(".")[2].strip("_").lower() or "my_model"
+    targets = ", ".join(f"npu_autopatch.Target({c.kernel!r}, {c.path!r})" for c in candidates)
+    return f"npu_autopatch.register({model_type!r}, module={module_name!r}, targets=[{targets}])"
 
 
 def _other_activation(instance):

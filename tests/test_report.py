@@ -343,3 +343,17 @@ def test_a_users_own_norm_and_mlp_that_kernels_reproduce_are_flagged_with_how_to
     assert {_entry(patched, "UserRMSNorm").origin, _entry(patched, "UserMLP").origin} == {"ours"}
     assert patched.flags == []
     assert npu.calls["npu_rms_norm"] == 1 and npu.calls["npu_swiglu"] == 1
+
+
+def test_another_librarys_norm_code_in_transformers_place_is_flagged_with_the_force_switch(monkeypatch):
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+    monkeypatch.setattr(qwen3.Qwen3RMSNorm, "forward", UserRMSNorm.forward)  # llama's code, not ours
+    with stand_in():
+        npu_autopatch.enable(models=["qwen3"])
+        report = npu_autopatch.report(tiny_model("qwen3"))
+    assert _entry(report, "Qwen3RMSNorm").origin == "foreign"
+    (flag,) = _flags(report, "unpatched", "Qwen3RMSNorm")
+    assert flag.code == "foreign-patch"
+    assert "the probes say rms_norm reproduces it (llama)" in flag.message
+    assert "pass force=True" in flag.message, flag.message

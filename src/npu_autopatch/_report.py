@@ -13,7 +13,8 @@ implementation: only the live object tells. So the report reads the model, not t
   *stock* (transformers' or torch's own code) or *foreign* (named by its defining module).
   5.x fused experts dispatch through transformers' experts interface: they are ours when the
   instance's config selects our implementation and the class holds our kernel;
-- the module-level rotary functions of the model's modeling modules;
+- the module-level rotary functions of the model's modeling modules (and of the user's own
+  modules its classes come from);
 - flags: a norm/MLP/experts/rotary-looking target on stock code (named by
   ``_candidates``' patterns) with the reason from status(), a kernel the installed torch_npu
   cannot run (with its requirement), and instances captured before or while patched;
@@ -69,7 +70,8 @@ class FunctionEntry:
 
 @dataclass
 class Flag:
-    """Something a user wants to know: a target left stock, a gated kernel, a captured instance."""
+    """Something a user wants to know: a target left stock, a gated kernel, a captured instance,
+    code a kernel reproduces that nothing patches."""
 
     # stock / gated / unpatched / captured-before-patching / captured-while-patched / instance-forward
     kind: str

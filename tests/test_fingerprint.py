@@ -134,7 +134,7 @@ def shipped_refusals():
     """(kernel, fingerprint, stock) of every shipped refusal whose code this transformers has."""
     import importlib
 
-    from npu_autopatch import _ledger
+    from npu_autopatch import _resolve
 
     for kernel, table in _verdicts.REFUSED.items():
         for key in table:
@@ -145,9 +145,9 @@ def shipped_refusals():
                 module = importlib.import_module(f"{module_name}.modeling_{module_path}")
             except ImportError:
                 continue
-            found = _ledger.resolve(module, [qualname])
+            found = _resolve.resolve(module, [qualname])
             if found is not None:
-                yield KERNELS[kernel], print_, _ledger.stock_function(found[3]) or found[3]
+                yield KERNELS[kernel], print_, _resolve.stock_function(found[3]) or found[3]
 
 
 def test_a_shipped_refusal_is_the_live_one_word_for_word(monkeypatch):

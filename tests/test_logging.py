@@ -76,3 +76,20 @@ def test_success_is_not_printed_without_logging_configured():
     child = run_python(IMPORT_QWEN3, NPU_AUTOPATCH="1", PYTHONPATH=str(STAND_IN_SITE))
     assert child.returncode == 0, child.stderr
     assert our_lines(child.stderr) == []
+
+
+def test_a_line_logged_under_the_package_lock_is_written_once_the_lock_is_let_go(caplog, monkeypatch):
+    """Logging's lock is never taken while ours is held (see _state: logging's fork handler)."""
+    import logging
+
+    from npu_autopatch import _log
+    from npu_autopatch._state import locked
+
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.WARNING, logger="npu_autopatch"):
+        with locked:
+            with locked:  # reentrant: the lines wait for the outermost exit
+                _log.warning("held back")
+            assert caplog.messages == []
+        assert caplog.messages == ["npu-autopatch: held back"]

@@ -6,6 +6,7 @@ it; otherwise a copy of the code as the other major has it, so both majors test 
 """
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -171,6 +172,27 @@ def test_moe_runs_stock_for_a_call_that_reaches_a_zero_expert():
     assert npu.calls["npu_grouped_matmul"] == 2 and not errors.calls  # the fused path where it can
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_moe_runs_stock_for_a_layer_with_one_expert(training):
+    """The device refuses a group list of one count: 4.57 Qwen3-VL-MoE's experts with one expert run
+    the stock code for the call, with no fault reported (5.x's fused experts: test_experts_interface)."""
+    experts_class = real("qwen3_vl_moe", "Qwen3VLMoeTextExperts")
+    if experts_class is None or "routing_weights" not in inspect.signature(experts_class.forward).parameters:
+        pytest.skip("transformers 5.x: the fused experts go through the experts interface")
+    name, forward, npu, errors = build("moe", experts_class.forward)
+    assert name == "experts-kn"
+    config = tiny_config("qwen3_vl_moe").get_text_config()
+    config.num_experts = 1
+    experts = experts_class(config).train(training)
+    with torch.no_grad():
+        for weight in (experts.gate_up_proj, experts.down_proj):
+            weight.copy_(torch.randn(weight.shape) / weight.shape[-1] ** 0.5)
+    x = torch.randn(2, 3, config.hidden_size)
+    index, dense = torch.zeros(6, 1, dtype=torch.long), torch.ones(6, 1)
+    assert_same((forward(experts, x, dense, index),), (experts_class.forward(experts, x, dense, index),))
+    assert npu.calls["npu_grouped_matmul"] == 0 and not errors.calls
+
+
 # --- 4. vision rotary: partial head (minimax_m3_vl), 4-D q/k (muse_glimmer) ------------------------
 
 
@@ -301,3 +323,36 @@ def test_swiglu_runs_stock_on_an_empty_input_without_reporting_a_fault(model, cl
     assert out.shape == (0, width) and npu.calls["npu_swiglu"] == 0 and not errors.calls
     forward(mlp, torch.randn(3, width))
     assert npu.calls["npu_swiglu"] == 1 and not errors.calls
+
+
+# --- 8. an interleaved rotary at full head width (no pass-through) ---------------------------------
+
+
+def rotate_half_interleaved(x):
+    """GLM-4's rotate_half_llm: the pairs (x0, x1), (x2, x3) ... rotate together."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def interleaved_full_width_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """GLM-4's rotary without its pass-through part: every dim of the head rotates, so the stock code
+    takes cos/sin as wide as the head only (a narrower one fails on the shape)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    q_embed = q * cos + rotate_half_interleaved(q) * sin
+    k_embed = k * cos + rotate_half_interleaved(k) * sin
+    return q_embed, k_embed
+
+
+def test_rope_takes_an_interleaved_rotary_at_full_head_width():
+    """The probes follow the target's own cos width: a partial width only for code that takes it."""
+    name, forward, npu, errors = build("rope", interleaved_full_width_rotary)
+    assert name == "interleave"
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 64, generator=gen), torch.randn(2, 2, 5, 64, generator=gen)
+    angles = torch.randn(1, 5, 32, generator=gen)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    assert_same(forward(q, k, cos, sin), interleaved_full_width_rotary(q, k, cos, sin))
+    assert npu.calls["npu_rotary_mul"] == 2 and not errors.calls

@@ -279,3 +279,82 @@ def test_report_command_builds_the_tiny_model_on_the_lazy_path():
     norm = next(m for m in out["modules"] if m["name"] == "Qwen3RMSNorm")
     assert (norm["origin"], norm["kernel"], norm["count"]) == ("ours", "rms_norm", 9)
     assert out["records"]["qwen3"]["state"] == "applied"
+
+
+class UserRMSNorm(torch.nn.Module):
+    """A user's own norm in their own script: llama's code, copied."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class UserMLP(torch.nn.Module):
+    def __init__(self, hidden, intermediate):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class UserModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 16)
+        self.mlp = UserMLP(16, 32)
+        self.norm = UserRMSNorm(16)
+
+    def forward(self, ids):
+        return self.norm(self.mlp(self.embed(ids)))
+
+
+def test_a_users_own_norm_and_mlp_that_kernels_reproduce_are_flagged_with_how_to_patch_them():
+    model = UserModel()
+    report = npu_autopatch.report(model)
+    assert {_entry(report, "UserRMSNorm").origin, _entry(report, "UserMLP").origin} == {"foreign"}
+    flags = {f.subject: f.message for f in _flags(report, "unpatched")}
+    assert set(flags) == {"UserRMSNorm", "UserMLP"}
+    assert "the probes say rms_norm reproduces it (llama)" in flags["UserRMSNorm"]
+    assert "the probes say swiglu reproduces it (gate-up)" in flags["UserMLP"]
+    call = flags["UserRMSNorm"].partition("nothing patches it: ")[2]
+    assert call.startswith("npu_autopatch.register(") and call in flags["UserMLP"]  # one call per module
+
+    # The advice, run as printed, patches both.
+    with stand_in() as npu:
+        npu_autopatch.enable()
+        eval(call, {"npu_autopatch": npu_autopatch})
+        try:
+            patched = npu_autopatch.report(model)
+            with torch.no_grad():
+                model(torch.tensor([[1, 2, 3]]))
+        finally:
+            npu_autopatch.unregister("test_report")
+    assert {_entry(patched, "UserRMSNorm").origin, _entry(patched, "UserMLP").origin} == {"ours"}
+    assert patched.flags == []
+    assert npu.calls["npu_rms_norm"] == 1 and npu.calls["npu_swiglu"] == 1
+
+
+def test_another_librarys_norm_code_in_transformers_place_is_flagged_with_the_force_switch(monkeypatch):
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+    monkeypatch.setattr(qwen3.Qwen3RMSNorm, "forward", UserRMSNorm.forward)  # llama's code, not ours
+    with stand_in():
+        npu_autopatch.enable(models=["qwen3"])
+        report = npu_autopatch.report(tiny_model("qwen3"))
+    assert _entry(report, "Qwen3RMSNorm").origin == "foreign"
+    (flag,) = _flags(report, "unpatched", "Qwen3RMSNorm")
+    assert flag.code == "foreign-patch"
+    assert "the probes say rms_norm reproduces it (llama)" in flag.message
+    assert "pass force=True" in flag.message, flag.message

@@ -1,5 +1,6 @@
 """status() tells the truth, cheaply, in a vocabulary a program can read (issue 10 items 2, 6, 8)."""
 
+import dataclasses
 import json
 import logging
 import typing
@@ -13,7 +14,7 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 import npu_autopatch
-from npu_autopatch import PatchRecord, ReasonCode, State, Target, models
+from npu_autopatch import PatchRecord, ReasonCode, State, Target, TargetReason, models
 from npu_autopatch.testing import stand_in
 
 from .conftest import STAND_IN_SITE, run_python
@@ -62,6 +63,29 @@ def test_a_selected_target_left_stock_makes_the_model_partial_with_a_warning(npu
     ]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     assert "partial" in warnings[0].getMessage() and f"{QWEN3}:rotate_half" in warnings[0].getMessage()
+
+
+def test_each_target_left_stock_has_its_own_code_and_text_from_patcher_to_cli(npu_stand_in, registry):
+    registry(mismatching_model())
+    npu_autopatch.enable(models=["qwen3_mismatch"], kernels=["rms_norm", "rope"])
+    record = npu_autopatch.status()["qwen3_mismatch"]
+    target = f"{QWEN3}:rotate_half"
+    (reason,) = record.stock_reasons.values()
+    assert isinstance(reason, TargetReason) and list(record.stock_reasons) == [target]
+    assert reason.code == ReasonCode.MATH_DIFFERS
+    assert reason.text.startswith(f"rope not applied to {target}: ")
+    assert record.reason == reason.text  # the readable string is made of the structured parts
+    plain = json.loads(json.dumps(record.as_dict()))
+    assert plain["stock_reasons"] == {target: {"code": "math-differs", "text": reason.text}}
+
+    later = dataclasses.replace(record, notes=("a note status() adds",))
+    assert later.reason == f"{reason.text}; a note status() adds" and later.stock == record.stock
+
+    from npu_autopatch.__main__ import format_table
+
+    model_row, target_row = format_table({"qwen3_mismatch": record}).splitlines()[1:]
+    assert model_row.split()[:4] == ["qwen3_mismatch", "partial", "math-differs", "rms_norm"]
+    assert target_row.split(maxsplit=1) == ["math-differs", reason.text]
 
 
 def test_strict_mode_rejects_a_partial_model_and_rolls_it_back(npu_stand_in, registry):
@@ -146,6 +170,16 @@ def test_a_class_rebound_by_another_library_is_named_not_called_stock(npu_stand_
     record = npu_autopatch.status()["qwen3"]
     assert (record.state, record.code) == ("overridden", "replaced-after-us")
     assert "LigerLikeRMSNorm" in record.reason and "run stock" not in record.reason, record.reason
+
+
+def test_a_class_rebound_before_us_is_named_with_the_target_we_wanted(npu_stand_in, monkeypatch):
+    """Liger-Kernel rebinds Qwen3RMSNorm to its LigerRMSNorm before we patch: the reason names both."""
+    monkeypatch.setattr(modeling_qwen3, "Qwen3RMSNorm", LigerLikeRMSNorm)
+    npu_autopatch.enable(models=["qwen3"])
+    record = npu_autopatch.status()["qwen3"]
+    assert (record.state, record.code) == ("skipped", "foreign-patch")
+    holder = f"{__name__}.LigerLikeRMSNorm"
+    assert f"{QWEN3}:Qwen3RMSNorm.forward is already replaced by {holder}" in record.reason, record.reason
 
 
 def test_excluded_model_sharing_a_target_is_told_truthfully(npu_stand_in, registry):

@@ -5,7 +5,7 @@ nothing. Turn it on with NPU_AUTOPATCH=1, a cluster sitecustomize, or ``enable()
 ``status()`` or ``python -m npu_autopatch status`` for what was patched and why not.
 
 Importing this package is cheap (no torch, transformers, wrapt, logging, typing, enum or
-dataclasses): the status vocabulary (``PatchRecord``, ``State``, ``ReasonCode``),
+dataclasses): the status vocabulary (``PatchRecord``, ``TargetReason``, ``State``, ``ReasonCode``),
 ``PatchError`` and ``report()`` (what a live model runs: ours, stock or foreign, per module
 class) are loaded on first use.
 """
@@ -23,6 +23,7 @@ __all__ = [
     "ReasonCode",
     "State",
     "Target",
+    "TargetReason",
     "Variant",
     "disable",
     "enable",
@@ -33,7 +34,7 @@ __all__ = [
     "unregister",
 ]
 
-_RECORDS = ("PatchError", "PatchRecord", "ReasonCode", "State")
+_RECORDS = ("PatchError", "PatchRecord", "ReasonCode", "State", "TargetReason")
 _REPORT = ("CoverageReport", "report")  # imports torch: only for a live model
 
 
@@ -51,5 +52,5 @@ def __getattr__(name):
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ._records import PatchError, PatchRecord, ReasonCode, State
+    from ._records import PatchError, PatchRecord, ReasonCode, State, TargetReason
     from ._report import CoverageReport, report

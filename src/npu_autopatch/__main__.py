@@ -87,11 +87,13 @@ def _import_failed(model, exc) -> PatchRecord:
 
 
 def format_table(report: dict[str, PatchRecord]) -> str:
+    """One row per model, then one row per target it left stock, with that target's code and why."""
     rows = [("model", "state", "code", "kernels", "reason")]
-    rows += [
-        (r.model, r.state.value, r.code.value if r.code else "-", ",".join(r.kernels) or "-", r.reason or "")
-        for r in report.values()
-    ]
+    for r in report.values():
+        about_model = "; ".join(part for part in (r.cause, *r.notes) if part)
+        code = r.code.value if r.code else "-"
+        rows.append((r.model, r.state.value, code, ",".join(r.kernels) or "-", about_model))
+        rows += [("", "", reason.code.value, "", reason.text) for reason in r.stock_reasons.values()]
     return columns(rows)
 
 

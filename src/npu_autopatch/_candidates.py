@@ -122,10 +122,14 @@ def _stock(module, path):
 
 def probe(module, candidate: Candidate) -> Candidate:
     """Ask each kernel of the candidate's kind whether one of its variants reproduces it."""
-    from ._ledger import stock_function
+    return probe_code(_stock(module, candidate.path), candidate)
+
+
+def probe_code(current, candidate: Candidate) -> Candidate:
+    """``probe`` for code in hand (``current``, what the candidate's path holds), wherever it lives."""
+    from ._resolve import stock_function
     from .kernels import KERNELS, choose_variant
 
-    current = _stock(module, candidate.path)
     stock = stock_function(current) or current
     for kernel in _KERNELS_FOR[candidate.kind]:
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from . import _config, _log
-from ._state import STATE
+from ._state import STATE, locked
 from ._types import Model
 
 TYPE_CHECKING = False
@@ -61,7 +61,7 @@ def discover_plugins() -> None:
     """Read the installed plugins' entry points now (the CLI lists them before any import)."""
     from . import _plugins
 
-    with _log.locked:
+    with locked:
         _plugins.discover()
 
 
@@ -83,7 +83,7 @@ def enable(
     transformers or torch_npu unless a modeling module is already imported. In strict mode
     a PatchError is raised after every hook is armed and every imported module was tried.
     """
-    with _log.locked:
+    with locked:
         discover = _config.discover_wanted(discover, _log.warning)
         unknown = _config.requested_models(models, exclude) - set(STATE.models)
         if unknown:
@@ -122,7 +122,7 @@ def _arm(models=None):
     try:
         return _hooks().arm(models)
     except Exception as exc:
-        with _log.locked:
+        with locked:
             STATE.arm_error = f"{type(exc).__name__}: {exc}"
         _log.warning(f"could not arm the import hooks, nothing will be patched: {exc!r}")
         return []
@@ -142,20 +142,14 @@ def _revert_all(why):
         _ledger().release_all(model_type)
     if not STATE.records:
         return  # at interpreter start: no need for the records' module (dataclasses, enum)
+    from dataclasses import replace
+
     from ._records import ReasonCode, State
 
     for model_type, rec in list(STATE.records.items()):
         if rec.state in (State.APPLIED, State.PARTIAL, State.OVERRIDDEN):
-            STATE.records[model_type] = type(rec)(
-                rec.model,
-                rec.module,
-                State.REVERTED,
-                why,
-                rec.kernels,
-                rec.targets,
-                ReasonCode.DISABLED,
-                rec.variants,
-                rec.stock,
+            STATE.records[model_type] = replace(
+                rec, state=State.REVERTED, cause=why, code=ReasonCode.DISABLED, stock_reasons={}
             )
         elif rec.state is not State.REVERTED:
             del STATE.records[model_type]
@@ -175,7 +169,7 @@ def disable() -> None:
     A target that another library replaced after us keeps that library's object. Discovery's
     hooks are removed; the discovered models stay listed by status() (``reverted``).
     """
-    with _log.locked:
+    with locked:
         STATE.enabled = False
         _new_generation()
         _revert_all("disable() restored the originals")
@@ -208,7 +202,7 @@ def register(
     model = model_type if isinstance(model_type, Model) else Model(model_type, *targets, module=module)
     if not model.targets and model.load is None:
         raise ValueError(f"register({model.model_type!r}): no targets given")
-    with _log.locked:
+    with locked:
         existing = STATE.models.get(model.model_type)
         if existing is not None and not replace:
             kind = (
@@ -234,7 +228,7 @@ def register(
 
 def unregister(model_type: str) -> None:
     """Undo register(): revert the model and drop it (a replaced built-in model comes back)."""
-    with _log.locked:
+    with locked:
         if model_type not in STATE.models:
             raise ValueError(f"{model_type!r} is not registered")
         _forget(model_type)
@@ -260,5 +254,5 @@ def status() -> dict[str, PatchRecord]:
     """
     from ._records import report  # dataclasses and enum: only when asked
 
-    with _log.locked:
+    with locked:
         return report()

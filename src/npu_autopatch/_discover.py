@@ -29,7 +29,7 @@ import os
 import sys
 
 from . import _log
-from ._state import STATE
+from ._state import STATE, locked
 
 PREFIX = "transformers.models."
 
@@ -100,14 +100,14 @@ def patch(module):
 
     name = module.__name__
     model_type = model_type_for(name)
-    with _log.locked:
+    with locked:
         if not (STATE.enabled and STATE.config.discover) or uncovered([name]) != [name]:
             return
         config, generation = STATE.config, STATE.generation
     try:
         model, refused = _model(module, model_type, config)
     except Exception as exc:
-        with _log.locked:
+        with locked:
             STATE.discovered[model_type] = Model(model_type, module=name)  # so that status() lists it
             STATE.records[model_type] = PatchRecord(
                 model_type,
@@ -121,7 +121,7 @@ def patch(module):
     wanted = config.wants(model_type) is None
     if wanted and not model.targets and not refused:
         return  # nothing here even looks like a target (bert, auto): not a model we could patch
-    with _log.locked:
+    with locked:
         if STATE.generation != generation:
             return  # enable()/disable() came in between: their decision holds
         STATE.discovered[model_type] = model

@@ -38,7 +38,7 @@ deadlock, is in _patcher.
 import sys
 
 from . import _log
-from ._state import STATE
+from ._state import STATE, locked
 
 REMOTE_PREFIX = "transformers_modules."
 DYNAMIC = "transformers.dynamic_module_utils"
@@ -60,7 +60,7 @@ def arm_safely():
         for error in arm():
             _log.warning(f"strict mode: {error}")
     except Exception as exc:
-        with _log.locked:
+        with locked:
             STATE.arm_error = f"{type(exc).__name__}: {exc}"
         _log.warning(f"could not arm the import hooks, nothing will be patched: {exc!r}")
 
@@ -75,7 +75,7 @@ def arm(models=None):
     import wrapt.importer  # noqa: F401 - outside the lock: ~70 ms the first time
 
     listed = _listing() if models is None and _discovering() else ()  # outside the lock
-    with _log.locked:
+    with locked:
         if not STATE.enabled:
             return []
         if models is None:
@@ -258,7 +258,7 @@ def wrap_remote(dynamic_module_utils):
     import functools  # not at interpreter start: it pulls in collections (~1 ms)
 
     try:
-        with _log.locked:
+        with locked:
             if STATE.remote_wrapped is not None or not STATE.enabled:
                 return
             if not any(is_remote(m) for m in STATE.models.values()):

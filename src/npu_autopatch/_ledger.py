@@ -1,6 +1,7 @@
 """The ledger: every attribute we replaced, what it was, and which models hold it.
 
 Stdlib only: status() reads it without importing torch. Callers hold the package lock.
+Finding a target and telling whose code it is belongs to _resolve.
 
 Ownership: two models may share one target object (in transformers 4.57, Qwen2.5-VL uses
 qwen2's ``Qwen2RMSNorm``). Each replaced attribute is keyed by (owner object, attribute
@@ -8,20 +9,11 @@ name) and records which models hold it. The first model swaps it in, later ones 
 the original comes back only when the last holder lets go, so ``exclude``, a failure of one
 model and ``disable()`` never pull a kernel from under another model. An owner is a class,
 a module, or a dict (transformers' experts registry).
-
-"Is this still the model's own code?" is decided by what the object is: a function whose
-module namespace is the modeling module itself, or a module of the transformers package
-(``sys.modules`` holds that very namespace), or failing both a file under transformers'
-real directory. Never by comparing path strings, which differ through a symlinked
-site-packages or a relative ``sys.path`` entry.
 """
 
-import os
-import sys
-
+from ._resolve import current, foreign_holder, resolve
 from ._state import STATE
 
-_FUNCTION = type(lambda: None)  # types.FunctionType, without importing types at interpreter start
 _ORIGINAL = object()  # Slot(seen=...) default: the plan found the original there
 
 
@@ -59,14 +51,6 @@ class Slot:
         return current(self.owner, self.attr)
 
 
-def current(owner, attr):
-    if isinstance(owner, dict):
-        return owner.get(attr)
-    if isinstance(owner, type):
-        return owner.__dict__.get(attr, getattr(owner, attr, None))
-    return getattr(owner, attr, None)
-
-
 def _put(owner, attr, value):
     if isinstance(owner, dict):
         owner[attr] = value
@@ -81,77 +65,14 @@ def _remove(owner, attr):
         delattr(owner, attr)
 
 
-def where(module, owner, path):
-    """'module:qualname' of a target, naming the module that really defines the owner."""
-    if isinstance(owner, type):
-        return f"{owner.__module__}:{owner.__qualname__}.{path.rsplit('.', 1)[-1]}"
-    return f"{module.__name__}:{path}"
-
-
-def resolve(module, paths):
-    """(path, owner, attr, current, had_own) for the first path that exists, else None."""
-    for path in paths:
-        *owner_path, attr = path.split(".")
-        owner = module
-        try:
-            for name in owner_path:
-                owner = getattr(owner, name)
-            if isinstance(owner, type):
-                had_own = attr in owner.__dict__
-                found = owner.__dict__[attr] if had_own else getattr(owner, attr)
-            else:
-                had_own, found = True, getattr(owner, attr)
-        except AttributeError:
-            continue
-        return path, owner, attr, found, had_own
-    return None
-
-
-def stock_function(obj):
-    """The plain function behind a target: itself, or the function a callable module wraps.
-
-    With the ``kernels`` package installed, transformers 5.x turns a function decorated
-    with ``use_kernel_forward_from_hub`` into an ``nn.Module`` instance whose ``forward``
-    calls the original function; so do not rely on ``inspect.isfunction``.
-    """
-    if type(obj) is _FUNCTION:
-        return obj
-    forward = getattr(type(obj), "forward", None)
-    for cell in getattr(forward, "__closure__", None) or ():
-        if type(cell.cell_contents) is _FUNCTION:
-            return cell.cell_contents
-    return None
-
-
-def _transformers_home():
-    transformers = sys.modules.get("transformers")
-    path = getattr(transformers, "__file__", None)
-    return os.path.realpath(os.path.dirname(path)) + os.sep if path else None
-
-
-def is_own(function, module=None):
-    """Whether ``function`` is the model's own code: its module's, or transformers'."""
-    namespace = function.__globals__
-    if module is not None and namespace is getattr(module, "__dict__", None):
-        return True
-    name = namespace.get("__name__") or ""
-    defining = sys.modules.get(name)
-    transformers_module = name == "transformers" or name.startswith("transformers.")
-    if transformers_module and getattr(defining, "__dict__", None) is namespace:
-        return True
-    home = _transformers_home()
-    return bool(home) and os.path.realpath(function.__code__.co_filename).startswith(home)
-
-
-def foreign_holder(obj, module=None):
-    """None for the model's own code, else the name of whoever holds the target now."""
-    function = stock_function(obj)
-    if function is not None:
-        if is_own(function, module):
-            return None
-        return f"{function.__module__}.{function.__qualname__}"
-    kind = type(obj)
-    return f"{kind.__module__}.{kind.__qualname__} object"
+def _restore(slot):
+    """Put back what ``slot`` replaced, unless another library replaced our kernel meanwhile."""
+    if slot.current() is not slot.replacement:
+        return
+    if slot.had_own:
+        _put(slot.owner, slot.attr, slot.original)
+    else:
+        _remove(slot.owner, slot.attr)
 
 
 def release(key, model_type):
@@ -166,12 +87,25 @@ def release(key, model_type):
     if slot.holders:
         return
     del STATE.slots[key]
-    if slot.current() is not slot.replacement:
-        return
-    if slot.had_own:
-        _put(slot.owner, slot.attr, slot.original)
-    else:
-        _remove(slot.owner, slot.attr)
+    _restore(slot)
+
+
+def put_back(key, replacement):
+    """Put the stock object back at ``key`` for every holder (its kernel failed at run time).
+
+    Returns the slot taken out of the ledger, or None when ``key`` no longer holds
+    ``replacement`` (another call put it back first, or disable() came).
+    """
+    slot = STATE.slots.get(key)
+    if slot is None or slot.replacement is not replacement:
+        return None
+    del STATE.slots[key]
+    _restore(slot)
+    for model_type in slot.holders:
+        held = STATE.held.get(model_type, [])
+        if key in held:
+            held.remove(key)
+    return slot
 
 
 def commit(model_type, module, steps, placed_paths):
@@ -252,7 +186,7 @@ def moved(model_type, module):
         if found is None or slot is None:
             continue
         if (id(found[1]), found[2]) != key or found[3] is not slot.replacement:
-            holder = foreign_holder(found[3], module)
+            holder = foreign_holder(found[3], module, found[1])
             if holder is not None:
                 return "replaced-after-us", f"{name}:{path} was replaced after us by {holder}"
             if (id(found[1]), found[2]) != key:

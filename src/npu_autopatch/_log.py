@@ -9,18 +9,15 @@ Hooks fire before torch.distributed is initialised, so the launcher's environmen
 variables decide the rank there; torch.distributed is asked only once it is initialised
 (and never imported by us).
 
-Nothing is written while the package lock is held (``locked``): logging takes its own
-lock, and holding ours while waiting for it would order the two locks against logging's
-fork handler, which takes logging's lock before ours (a hang found by
-tests/test_processes.py: a fork while another thread was patching).
+A line logged while the package lock is held (``_state.locked``) is written when the lock
+is let go (see _state: logging's lock and ours must never be held together).
 """
 
-import _thread
 import os
 import sys
 
 from ._config import ENV_LOG_ALL_RANKS, TRUE_WORDS
-from ._state import STATE
+from ._state import defer
 
 LOGGER_NAME = "npu_autopatch"
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -53,36 +50,12 @@ def _prefix():
     return "npu-autopatch: " if rank in (None, 0) else None
 
 
-class _Locked:
-    """``with locked:`` holds the package lock; what this thread logs meanwhile is written after."""
-
-    def __enter__(self):
-        STATE.lock.acquire()
-        STATE.deferred.setdefault(_thread.get_ident(), [0, []])[0] += 1
-
-    def __exit__(self, *exc_info):
-        me = _thread.get_ident()
-        messages = ()
-        try:
-            entry = STATE.deferred[me]
-            entry[0] -= 1
-            if not entry[0]:
-                del STATE.deferred[me]
-                messages = entry[1]
-        finally:
-            STATE.lock.release()
-        for level, message in messages:
-            _emit(level, message)
-
-
-locked = _Locked()
-
-
 def _emit(level, message):
-    entry = STATE.deferred.get(_thread.get_ident())
-    if entry is not None:
-        entry[1].append((level, message))
-        return
+    if not defer(lambda: _write(level, message)):
+        _write(level, message)
+
+
+def _write(level, message):
     prefix = _prefix()
     if prefix is None:
         return

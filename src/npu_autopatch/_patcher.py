@@ -20,16 +20,17 @@ locks of what it imports the first time: our own modules, torch_npu, transformer
 activations and integrations, logging. A deadlock needs a thread holding one of those
 module locks while it waits for the package lock, i.e. a module among them whose import
 imports a modeling module or calls enable()/status(); none does. Patching never starts or
-joins a thread and writes its log lines after letting go of the package lock (_log).
+joins a thread and writes its log lines after letting go of the package lock (_state.locked).
 """
 
 import contextlib
 import sys
+from dataclasses import replace
 
-from . import _device, _experts, _ledger, _log
+from . import _device, _experts, _ledger, _log, _resolve
 from ._failures import is_op_failure
-from ._records import PatchError, PatchRecord, ReasonCode, State
-from ._state import STATE
+from ._records import PatchError, PatchRecord, ReasonCode, State, TargetReason
+from ._state import STATE, locked
 from ._types import KERNEL_NAMES, Kernel
 from .kernels import KERNELS, choose_variant
 
@@ -64,7 +65,7 @@ def patch_imported(module):
         except PatchError as exc:
             errors.append(exc)
         except Exception as exc:
-            with _log.locked:
+            with locked:
                 _record(
                     model, State.FAILED, ReasonCode.INTERNAL_ERROR, f"internal error, left stock: {exc!r}"
                 )
@@ -73,12 +74,13 @@ def patch_imported(module):
         raise errors[0]
 
 
-def _record(model, state, code=None, reason=None, **fields):
+def _record(model, state, code=None, cause=None, **fields):
+    """Record (and return) the model's latest decision. Caller holds the lock."""
     rec = STATE.records[model.model_type] = PatchRecord(
         model.model_type,
         model.module,
         state,
-        reason,
+        cause,
         code=None if code is None else ReasonCode(code),
         **fields,
     )
@@ -91,7 +93,7 @@ def apply(model, module):
     Raises PatchError only in strict mode, after rolling the model back.
     """
     for _attempt in range(3):
-        with _log.locked:
+        with locked:
             if not STATE.enabled:
                 return None
             generation, config = STATE.generation, STATE.config
@@ -104,7 +106,7 @@ def apply(model, module):
             plan = _plan(model, module, config, generation)
         except _Failure as failure:
             plan = failure
-        with _log.locked:
+        with locked:
             if STATE.generation != generation or not STATE.enabled:
                 return None  # enable()/disable() came in between: their decision holds
             if model.model_type in STATE.held and _ledger.moved(model.model_type, module) is None:
@@ -130,37 +132,29 @@ def _conclude(model, module, config, plan):
     steps, placed, stock = plan
     for key, slot in steps:
         held = STATE.slots.get(key)
-        now = _ledger.current(slot.owner, slot.attr)
+        now = _resolve.current(slot.owner, slot.attr)
         if now is not slot.seen and not (held is not None and now is held.replacement):
             raise _Changed
-    stock_codes = {where: ReasonCode(code) for where, (code, _text) in stock.items()}
-    stock_text = "; ".join(text for _code, text in stock.values())
-    first_code = next(iter(stock_codes.values()), None)
+    stock_text = "; ".join(reason.text for reason in stock.values())
+    first_code = next((reason.code for reason in stock.values()), None)
     if not steps:
-        text = "no selected target could take its kernel: " + stock_text
-        _log.warning(f"{model.model_type}: skipped: {text}")
-        return _record(model, State.SKIPPED, first_code, text, stock=stock_codes)
+        cause = "no selected target could take its kernel"
+        _log.warning(f"{model.model_type}: skipped: {cause}: {stock_text}")
+        return _record(model, State.SKIPPED, first_code, cause, stock_reasons=stock)
     if stock and config.strict:  # never committed: status() says stock, the caller raises
         _log.warning(f"{model.model_type}: partial, so strict mode left it stock: {stock_text}")
-        _record(
-            model,
-            State.SKIPPED,
-            first_code,
-            "strict mode refused a partial patch: " + stock_text,
-            stock=stock_codes,
-        )
-        return PatchRecord(
-            model.model_type, model.module, State.PARTIAL, stock_text, code=first_code, stock=stock_codes
-        )
+        refused = "strict mode refused a partial patch"
+        rec = _record(model, State.SKIPPED, first_code, refused, stock_reasons=stock)
+        return replace(rec, state=State.PARTIAL, cause=None)
     try:
         _ledger.commit(model.model_type, module, steps, placed)
     except Exception as exc:
         cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _ledger.SwapRefused) else str(exc)
         _log.warning(f"{model.model_type}: failed, left stock: {cause}")
         return _record(model, State.FAILED, ReasonCode.SWAP_FAILED, cause)
-    rec = _applied_record(model, stock_codes, stock_text)
+    rec = STATE.records[model.model_type] = _applied_record(model, stock)
     if stock:
-        listed = ", ".join(f"{where} ({code.value})" for where, code in stock_codes.items())
+        listed = ", ".join(f"{where} ({reason.code.value})" for where, reason in stock.items())
         _log.warning(
             f"{model.model_type}: partial: applied {', '.join(rec.kernels)} to {len(rec.targets)} targets; "
             f"left stock: {listed}: {stock_text}"
@@ -170,22 +164,23 @@ def _conclude(model, module, config, plan):
     return rec
 
 
-def _applied_record(model, stock_codes, stock_text):
-    """The record of what the model holds now (after a commit or a demotion). Caller holds the lock."""
+def _applied_record(model, stock):
+    """The record of what the model holds now (after a commit or a demotion), with ``stock``
+    ({target: TargetReason}) the selected targets left stock. Caller holds the lock."""
     slots = [STATE.slots[key] for key in STATE.held.get(model.model_type, ()) if key in STATE.slots]
     latest = {key for _path, key in STATE.placed[model.model_type][1]}
     mine = [s for s in slots if s.kernel is not None and (id(s.owner), s.attr) in latest]
     used = {s.kernel for s in mine}
     kernels = tuple(k for k in (*KERNEL_NAMES, *sorted(used - set(KERNEL_NAMES))) if k in used)
-    return _record(
-        model,
-        State.PARTIAL if stock_codes else State.APPLIED,
-        next(iter(stock_codes.values()), None),
-        stock_text or None,
+    return PatchRecord(
+        model.model_type,
+        model.module,
+        State.PARTIAL if stock else State.APPLIED,
+        code=next((reason.code for reason in stock.values()), None),
         kernels=kernels,
         targets=tuple(s.where for s in mine),
         variants={s.where: s.variant for s in mine if s.variant},
-        stock=dict(stock_codes),
+        stock_reasons=dict(stock),
     )
 
 
@@ -195,7 +190,7 @@ def _decide_device(generation):
     if decision is not None and decision[0] == generation:
         return decision[1], decision[2]
     npu, reason = _device.probe()
-    with _log.locked:
+    with locked:
         if STATE.generation == generation and (STATE.device is None or STATE.device[0] != generation):
             STATE.device = (generation, npu, reason)
             if npu is None:
@@ -252,42 +247,21 @@ def _describe(tensors):
 
 def _demote(key, built, exc, tensors):
     """Put the stock object back for the rest of the process; record and log it once."""
-    with _log.locked:
-        slot = STATE.slots.get(key)
-        if slot is None or not built or slot.replacement is not built[0]:
+    with locked:
+        slot = _ledger.put_back(key, built[0]) if built else None
+        if slot is None:
             return  # another call demoted it first (or disable() came)
-        del STATE.slots[key]
-        if slot.current() is slot.replacement:
-            if slot.had_own:
-                _ledger._put(slot.owner, slot.attr, slot.original)
-            else:
-                _ledger._remove(slot.owner, slot.attr)
         cause = f"{type(exc).__name__}: {exc}"
         text = (
             f"{slot.kernel} taken out of {slot.where}: its fused op raised on {_describe(tensors)}: {cause}"
         )
         for model_type in sorted(slot.holders):
-            held = STATE.held.get(model_type, [])
-            if key in held:
-                held.remove(key)
             old = STATE.records.get(model_type)
             model = STATE.models.get(model_type) or STATE.discovered.get(model_type)
             if old is None or model is None or model_type not in STATE.placed:
                 continue
-            stock = {**old.stock, slot.where: ReasonCode.OP_FAILED}
-            reason = "; ".join(r for r in (old.reason, text) if r)
-            rec = _applied_record(model, stock, reason)
-            STATE.records[model_type] = PatchRecord(
-                rec.model,
-                rec.module,
-                State.PARTIAL,
-                reason,
-                rec.kernels,
-                rec.targets,
-                ReasonCode.OP_FAILED,
-                rec.variants,
-                stock,
-            )
+            stock = {**old.stock_reasons, slot.where: TargetReason(ReasonCode.OP_FAILED, text)}
+            STATE.records[model_type] = replace(_applied_record(model, stock), code=ReasonCode.OP_FAILED)
         models = ", ".join(sorted(slot.holders))
     _log.warning(f"{models}: {text}; that target runs stock from now on")
 
@@ -303,7 +277,7 @@ def _transformers_has(release):
 def _plan(model, module, config, generation):
     """Resolve, check, probe and build every selected target; swap nothing.
 
-    Returns (steps, placed paths, {target: (code, text)} left stock); raises _Failure/_Skip.
+    Returns (steps, placed paths, {target left stock: TargetReason}); raises _Failure/_Skip.
     """
     npu, reason = _decide_device(generation)
     if npu is None:
@@ -317,7 +291,7 @@ def _plan(model, module, config, generation):
     if not selected:
         raise _Skip("no-kernel-selected", "none of its kernels is selected")
     for target in selected:
-        found = _ledger.resolve(module, target.paths)
+        found = _resolve.resolve(module, target.paths)
         if found is None:
             raise _Failure(
                 "target-missing",
@@ -325,18 +299,19 @@ def _plan(model, module, config, generation):
                 "(renamed or removed in this transformers version?)",
             )
         path, owner, attr, current, had_own = found
-        where = _ledger.where(module, owner, path)
+        where = _resolve.where(module, owner, path)
         key = (id(owner), attr)
         slot = STATE.slots.get(key)
         if slot is not None and current is slot.replacement:  # another model put our kernel here
             steps.append((key, slot))
             placed.append((path, key))
             continue
-        holder = _ledger.foreign_holder(current, module)
+        holder = _resolve.foreign_holder(current, module, owner)
         if holder is not None and not config.force:
+            named = f"{module.__name__}:{path}"  # the model's name for it, whoever's class holds it now
             raise _Skip(
                 "foreign-patch",
-                f"{where} is already replaced by {holder}; pass force=True to replace it anyway",
+                f"{named} is already replaced by {holder}; pass force=True to replace it anyway",
             )
         kernel = KERNELS.get(target.kernel) or target.kernel  # a built-in name, or a plugin's Kernel
         missing = [op for op in kernel.ops if not hasattr(npu, op)]
@@ -350,11 +325,11 @@ def _plan(model, module, config, generation):
         if unsupported is None and not allowed:
             unsupported = "; ".join(f"{v.name}: {_requirement(v, npu)}" for v in kernel.variants)
         if unsupported is not None:
-            stock[where] = ("kernel-unsupported", f"{kernel.name} not applied to {where}: {unsupported}")
+            stock[where] = _left_stock(ReasonCode.KERNEL_UNSUPPORTED, kernel, where, unsupported)
             continue
         refused = [v for v in kernel.variants if v not in allowed]
         kernel_now = Kernel(kernel.name, kernel.ops, allowed) if refused else kernel
-        stock_code = _ledger.stock_function(current) or current  # what the kernel must reproduce
+        stock_code = _resolve.stock_function(current) or current  # what the kernel must reproduce
         try:
             variant, mismatch = choose_variant(kernel_now, stock_code)
             # A refused variant that would reproduce the target: the torch_npu is the reason.
@@ -368,10 +343,10 @@ def _plan(model, module, config, generation):
             ) from exc
         if variant is None and wanted is not None:
             why = f"its {wanted.name} variant needs a newer torch_npu: {_requirement(wanted, npu)}"
-            stock[where] = ("kernel-unsupported", f"{kernel.name} not applied to {where}: {why}")
+            stock[where] = _left_stock(ReasonCode.KERNEL_UNSUPPORTED, kernel, where, why)
             continue
         if variant is None:
-            stock[where] = ("math-differs", f"{kernel.name} not applied to {where}: {mismatch}")
+            stock[where] = _left_stock(ReasonCode.MATH_DIFFERS, kernel, where, mismatch)
             continue
         interface = _experts.interface_of(current)
         built = []
@@ -409,6 +384,10 @@ def _plan(model, module, config, generation):
         )
         placed.append((path, key))
     return steps, placed, stock
+
+
+def _left_stock(code, kernel, where, why):
+    return TargetReason(code, f"{kernel.name} not applied to {where}: {why}")
 
 
 def revert_all():

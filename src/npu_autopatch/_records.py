@@ -1,8 +1,8 @@
 """What status() reports: the states, the reason codes, one PatchRecord per model, and PatchError.
 
-Public and typed (``npu_autopatch.PatchRecord``, ``State``, ``ReasonCode``). Imported only when
-status() is asked or a model is patched, never at interpreter start (dataclasses and enum
-cost ~10 ms each).
+Public and typed (``npu_autopatch.PatchRecord``, ``TargetReason``, ``State``, ``ReasonCode``).
+Imported only when status() is asked or a model is patched, never at interpreter start
+(dataclasses and enum cost ~10 ms each).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 
-from . import _ledger
+from . import _ledger, _resolve
 from ._experts import explicit_note
 from ._state import STATE
 
@@ -75,29 +75,56 @@ class ReasonCode(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class TargetReason:
+    """Why one selected target runs stock: the code a program reads and the sentence a user reads."""
+
+    code: ReasonCode
+    text: str
+
+    def as_dict(self) -> dict:
+        """Plain JSON-ready data."""
+        return {"code": self.code.value, "text": self.text}
+
+
+@dataclass(frozen=True)
 class PatchRecord:
     """The state of one model type, with the reason (and its code) whenever it is not simply applied.
 
     ``targets`` are the replaced attributes as ``"module:qualname"``; ``variants`` maps each to
-    the kernel variant chosen for it; ``stock`` maps each selected target left stock to its
-    code; ``shared`` maps targets of this model's module that run a kernel held by other
-    models (a class two models share) to those models, whatever this model's own state.
-    ``discovered``: the model is not in the registry; discovery built it from the candidates
-    the probes accepted, and ``refused`` maps the candidates they refused to why.
+    the kernel variant chosen for it; ``stock_reasons`` maps each selected target left stock to
+    its code and why (``stock`` is the same with the codes only); ``shared`` maps targets of
+    this model's module that run a kernel held by other models (a class two models share) to
+    those models, whatever this model's own state. ``discovered``: the model is not in the
+    registry; discovery built it from the candidates the probes accepted, and ``refused``
+    maps the candidates they refused to why. ``cause`` is what concerns the model as a
+    whole (a failure, a skip), ``notes`` what status() adds to it; ``reason`` reads them all
+    as one sentence.
     """
 
     model: str
     module: str
     state: State
-    reason: str | None = None
+    cause: str | None = None
     kernels: tuple[str, ...] = ()
     targets: tuple[str, ...] = ()
     code: ReasonCode | None = None
     variants: dict[str, str] = field(default_factory=dict)
-    stock: dict[str, ReasonCode] = field(default_factory=dict)
+    stock_reasons: dict[str, TargetReason] = field(default_factory=dict)
     shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
     discovered: bool = False
     refused: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def reason(self) -> str | None:
+        """The cause, every target's reason and the notes, as one readable string (None: nothing to say)."""
+        parts = (self.cause, *(r.text for r in self.stock_reasons.values()), *self.notes)
+        return "; ".join(part for part in parts if part) or None
+
+    @property
+    def stock(self) -> dict[str, ReasonCode]:
+        """{target left stock: its code}."""
+        return {target: reason.code for target, reason in self.stock_reasons.items()}
 
     def as_dict(self) -> dict:
         """Plain JSON-ready data."""
@@ -107,13 +134,16 @@ class PatchRecord:
             "state": self.state.value,
             "code": None if self.code is None else self.code.value,
             "reason": self.reason,
+            "cause": self.cause,
             "kernels": list(self.kernels),
             "targets": list(self.targets),
             "variants": dict(self.variants),
-            "stock": {target: code.value for target, code in self.stock.items()},
+            "stock": {target: reason.code.value for target, reason in self.stock_reasons.items()},
+            "stock_reasons": {target: reason.as_dict() for target, reason in self.stock_reasons.items()},
             "shared": {target: list(holders) for target, holders in self.shared.items()},
             "discovered": self.discovered,
             "refused": dict(self.refused),
+            "notes": list(self.notes),
         }
 
 
@@ -140,13 +170,11 @@ def report():
 
 
 def _as_discovered(rec, refused):
-    """A discovered model's record: flagged, with the candidates the probes refused named in the reason."""
+    """A discovered model's record: flagged, with the candidates the probes refused named in a note."""
     note = "discovered outside the model table (probed, no parity test in our CI)"
     if refused:
         note += f"; candidates the probes refused: {', '.join(refused)}"
-    return _with(
-        rec, discovered=True, refused=dict(refused), reason="; ".join(r for r in (rec.reason, note) if r)
-    )
+    return replace(rec, discovered=True, refused=dict(refused), notes=(*rec.notes, note))
 
 
 def _live(model, roots):
@@ -182,21 +210,17 @@ def _live(model, roots):
         rec = _downgraded(rec, model_type) or rec
         note = explicit_note(model_type)
         if note and rec.state in (State.APPLIED, State.PARTIAL):
-            rec = _with(rec, reason="; ".join(r for r in (rec.reason, note) if r))
+            rec = replace(rec, notes=(*rec.notes, note))
     module = sys.modules.get(model.module)
     if module is not None and model.targets:
         shared = _ledger.shared_targets(model, module)
         if shared:
-            told = "; ".join(f"{where} (held by {', '.join(holders)})" for where, holders in shared.items())
-            extra = f"still runs kernels through targets it shares with other models: {told}"
-            if rec.state in (State.APPLIED, State.PARTIAL):
-                extra = None  # a model that holds kernels itself: its targets say it
-            rec = _with(rec, shared=shared, reason="; ".join(r for r in (rec.reason, extra) if r))
+            notes = rec.notes
+            if rec.state not in (State.APPLIED, State.PARTIAL):  # one that holds kernels: its targets say it
+                told = "; ".join(f"{at} (held by {', '.join(holders)})" for at, holders in shared.items())
+                notes = (*notes, f"still runs kernels through targets it shares with other models: {told}")
+            rec = replace(rec, shared=shared, notes=notes)
     return rec
-
-
-def _with(rec, **changes):
-    return replace(rec, **changes)
 
 
 def _downgraded(rec, model_type):
@@ -204,15 +228,15 @@ def _downgraded(rec, model_type):
     placed_module = STATE.placed[model_type][0]
     moved = _ledger.moved(model_type, sys.modules.get(placed_module.__name__))
     if moved is not None and moved[0] == "gone":
-        return _with(
+        return replace(
             rec,
             state=State.PENDING,
             code=ReasonCode.IMPORT_FAILED,
-            reason=f"the import of {placed_module.__name__} failed after it was patched (did another "
+            cause=f"the import of {placed_module.__name__} failed after it was patched (did another "
             "library's post-import hook raise?); it is patched when imported again",
         )
     if moved is not None:
-        return _with(rec, state=State.OVERRIDDEN, code=ReasonCode(moved[0]), reason=moved[1])
+        return replace(rec, state=State.OVERRIDDEN, code=ReasonCode(moved[0]), cause=moved[1])
     latest = {key for _path, key in STATE.placed[model_type][1]}
     for key in STATE.held.get(model_type, ()):
         slot = STATE.slots.get(key)
@@ -220,11 +244,11 @@ def _downgraded(rec, model_type):
             continue
         now = slot.current()
         if now is not slot.replacement:
-            return _with(
+            return replace(
                 rec,
                 state=State.OVERRIDDEN,
                 code=ReasonCode.REPLACED_AFTER_US,
-                reason=f"{slot.where} was replaced after us by {_ledger.foreign_holder(now)}",
+                cause=f"{slot.where} was replaced after us by {_resolve.foreign_holder(now)}",
             )
     return None
 

@@ -13,10 +13,13 @@ implementation: only the live object tells. So the report reads the model, not t
   *stock* (transformers' or torch's own code) or *foreign* (named by its defining module).
   5.x fused experts dispatch through transformers' experts interface: they are ours when the
   instance's config selects our implementation and the class holds our kernel;
-- the module-level rotary functions of the model's modeling modules;
+- the module-level rotary functions of the model's modeling modules (and of the user's own
+  modules its classes come from);
 - flags: a norm/MLP/experts/rotary-looking target on stock code (named by
   ``_candidates``' patterns) with the reason from status(), a kernel the installed torch_npu
-  cannot run (with its requirement), and instances captured before or while patched.
+  cannot run (with its requirement), and instances captured before or while patched;
+  code of any other origin (the user's own classes, another library's code in transformers'
+  place) that a kernel reproduces, as the probes say, with how to patch it.
 
 Imports torch (through ``_candidates``); only imported when a report is asked for.
 """
@@ -25,18 +28,18 @@ from __future__ import annotations
 
 import collections
 import functools
-import re
 import sys
 from dataclasses import dataclass, field
 
-from . import _candidates, _control, _experts, _ledger
+from . import _candidates, _control, _experts, _resolve
 from ._records import PatchRecord, ReasonCode, State
-from ._state import STATE
+from ._state import STATE, locked
 from ._table import columns
 
 OURS, STOCK, FOREIGN = "ours", "stock", "foreign"
+# Modules whose classes are library code, not the user's own (whose rotary functions are listed too).
+_LIBRARIES = ("builtins", "torch", "transformers", "npu_autopatch")
 _GATED = (ReasonCode.KERNEL_UNSUPPORTED, ReasonCode.OP_MISSING)
-_NEXT_REASON = re.compile(r"; \w+ not applied to ")  # the reasons of several stock targets are joined
 
 
 @dataclass
@@ -56,7 +59,8 @@ class ModuleEntry:
 
 @dataclass
 class FunctionEntry:
-    """One module-level rotary function of the model's modeling modules."""
+    """One module-level rotary function of the model's modeling modules (or of the user's own
+    modules its classes come from)."""
 
     name: str  # "module:function"
     origin: str
@@ -66,9 +70,11 @@ class FunctionEntry:
 
 @dataclass
 class Flag:
-    """Something a user wants to know: a target left stock, a gated kernel, a captured instance."""
+    """Something a user wants to know: a target left stock, a gated kernel, a captured instance,
+    code a kernel reproduces that nothing patches."""
 
-    kind: str  # stock / gated / captured-before-patching / captured-while-patched / instance-forward
+    # stock / gated / unpatched / captured-before-patching / captured-while-patched / instance-forward
+    kind: str
     subject: str  # the class or function it is about
     message: str
     code: str | None = None  # status()'s reason code, when it has one
@@ -131,7 +137,7 @@ class CoverageReport:
             lines += ["", columns(functions)]
         if self.flags:
             lines.append("")
-            lines += [f"FLAG {f.kind}: {f.subject}: {f.message}" for f in self.flags]
+            lines += [f"FLAG {_kind(f)}: {f.subject}: {f.message}" for f in self.flags]
         return "\n".join(lines)
 
     def markdown(self) -> str:
@@ -149,8 +155,12 @@ class CoverageReport:
             lines += [f"| `{f.name}` | {f.origin} | `{f.defined_by}` |" for f in self.functions]
         if self.flags:
             lines += ["", "| flag | subject | why |", "|---|---|---|"]
-            lines += [f"| {f.kind} | `{f.subject}` | {f.message} |" for f in self.flags]
+            lines += [f"| {_kind(f)} | `{f.subject}` | {f.message} |" for f in self.flags]
         return "\n".join(lines)
+
+
+def _kind(flag: Flag) -> str:
+    return f"{flag.kind} ({flag.code})" if flag.code else flag.kind
 
 
 def _via(entry: ModuleEntry) -> str:
@@ -170,7 +180,7 @@ class _Ours:
     """Our kernels' slots in the ledger, read once under the lock: what counts as ours."""
 
     def __init__(self):
-        with STATE.lock:
+        with locked:
             self.slots = [slot for slot in STATE.slots.values() if slot.kernel is not None]
         self.kernels = {id(slot.replacement): slot.kernel for slot in self.slots}
 
@@ -184,7 +194,7 @@ def _function(obj):
             obj = obj.__func__
         else:
             break
-    return _ledger.stock_function(obj) or obj
+    return _resolve.stock_function(obj) or obj
 
 
 def _defined_by(function) -> str:
@@ -212,7 +222,7 @@ def _origin(obj, ours) -> tuple[str, str, str | None]:
         function = _function(wrapped)
     if module == "torch" or module.startswith("torch."):
         return STOCK, module, None
-    if hasattr(function, "__code__") and _ledger.is_own(function):
+    if hasattr(function, "__code__") and _resolve.is_own(function):
         return STOCK, module, None
     return FOREIGN, module, None
 
@@ -286,8 +296,9 @@ def _hooker(instance) -> str:
 def _reason_for(where, module, records):
     """(code, text) of why ``where`` ("module:qualname") runs stock, from status(), or (None, text)."""
     for rec in records.values():
-        if where in rec.stock:
-            return rec.stock[where], _piece(rec.reason or "", where)
+        reason = rec.stock_reasons.get(where)
+        if reason is not None:
+            return reason.code, reason.text
     for rec in records.values():
         if rec.module != module.__name__:
             continue
@@ -311,20 +322,10 @@ def _reason_for(where, module, records):
 def _target_at(model, module, where):
     """The Target of ``model`` that resolves to ``where`` in ``module``, or None."""
     for target in getattr(model, "targets", None) or ():
-        found = _ledger.resolve(module, target.paths)
-        if found is not None and _ledger.where(module, found[1], found[0]) == where:
+        found = _resolve.resolve(module, target.paths)
+        if found is not None and _resolve.where(module, found[1], found[0]) == where:
             return target
     return None
-
-
-def _piece(reason, where):
-    """The part of a joined reason about ``where``."""
-    start = reason.find(f"not applied to {where}: ")
-    if start < 0:
-        return reason
-    start = reason.rfind("; ", 0, start) + 2 if "; " in reason[:start] else 0
-    found = _NEXT_REASON.search(reason, start + 1)
-    return reason[start : found.start() if found else len(reason)]
 
 
 def _probe_note(module, path, kind):
@@ -333,7 +334,7 @@ def _probe_note(module, path, kind):
     if candidate.kernel is not None:
         return (
             f"the probes say {candidate.kernel} reproduces it ({candidate.variant}): "
-            "`python -m npu_autopatch scan` and opt-in discovery can take it"
+            "enable(discover=True) or NPU_AUTOPATCH_DISCOVER=1 patches it"
         )
     refused = "; ".join(f"{kernel}: {_short(why)}" for kernel, why in candidate.refused.items())
     return f"no kernel reproduces it ({refused})"
@@ -378,44 +379,50 @@ def report(model) -> CoverageReport:
     groups: dict[type, list[tuple[str, object]]] = {}
     for name, instance in model.named_modules(remove_duplicate=True):
         groups.setdefault(type(instance), []).append((name or "<root>", instance))
-    modules, flags, modeling = [], [], {}
+    modules, flags, modeling, own = [], [], {}, {}
     for cls, instances in groups.items():
         entry, entry_flags = _entry(cls, instances, ours)
         modules.append(entry)
         flags += entry_flags
         home = sys.modules.get(cls.__module__)
-        if cls.__module__.startswith(("transformers.models.", "transformers_modules.")) and home is not None:
+        if home is None:
+            continue
+        if cls.__module__.startswith(("transformers.models.", "transformers_modules.")):
             modeling[cls.__module__] = home
+        elif not cls.__module__.startswith(_LIBRARIES):
+            own[cls.__module__] = home
     relevant = {k: r for k, r in records.items() if r.module in modeling}
+    unpatched = []  # (subject, module name, path, code, kind): code no kernel of ours runs
     for (cls, instances), entry in zip(groups.items(), modules, strict=True):
-        stock_class = entry.origin == STOCK and entry.runs.get(STOCK)  # captured ones are flagged apart
-        if entry.kind is not None and stock_class and cls.__module__ in modeling:
-            if entry.kind == "moe" and _holds_experts(instances[0][1]):
-                continue  # 5.x: the block routes, its fused experts module (reported itself) computes
-            where = f"{cls.__module__}:{cls.__qualname__}.forward"
-            path = f"{cls.__qualname__}.forward"
-            flags.append(
-                _stock_flag(
-                    cls.__qualname__,
-                    where,
-                    modeling[cls.__module__],
-                    path,
-                    entry.kind,
-                    records,
-                    instances[0][1],
-                    entry.via,
+        if entry.kind is None or entry.origin == OURS:
+            continue
+        if entry.kind == "moe" and _holds_experts(instances[0][1]):
+            continue  # 5.x: the block routes, its fused experts module (reported itself) computes
+        path = f"{cls.__qualname__}.forward"
+        if entry.origin == STOCK and cls.__module__ in modeling:
+            if entry.runs.get(STOCK):  # captured ones are flagged apart
+                where = f"{cls.__module__}:{path}"
+                module = modeling[cls.__module__]
+                flags.append(
+                    _stock_flag(
+                        cls.__qualname__, where, module, path, entry.kind, records, instances[0][1], entry.via
+                    )
                 )
-            )
+        elif entry.runs.get(entry.origin) and not entry.via.startswith("experts interface"):
+            unpatched.append((cls.__qualname__, cls.__module__, path, cls.forward, entry.kind))
     functions = []
-    for module_name, module in modeling.items():
+    for module_name, module in {**modeling, **own}.items():
         for name, obj in sorted(vars(module).items()):
             if not _candidates._ROPE.match(name) or not callable(obj) or isinstance(obj, type):
                 continue
             origin, defined_by, kernel = _origin(obj, ours)
             where = f"{module_name}:{name}"
             functions.append(FunctionEntry(where, origin, defined_by, kernel))
-            if origin == STOCK:
+            if origin == STOCK and module_name in modeling:
                 flags.append(_stock_flag(where, where, module, name, "rope", records))
+            elif origin != OURS:
+                unpatched.append((where, module_name, name, obj, "rope"))
+    flags += _unpatched_flags(unpatched, modeling, records)
     config = getattr(model, "config", None)
     return CoverageReport(
         type(model).__qualname__,
@@ -425,6 +432,43 @@ def report(model) -> CoverageReport:
         flags,
         relevant,
     )
+
+
+def _unpatched_flags(unpatched, modeling, records):
+    """Flags for code of any origin that a kernel reproduces (the probes say so) and that no kernel of
+    ours runs: another library's code in transformers' place, or the user's own classes and functions."""
+    reproduced = []
+    for subject, module_name, path, code, kind in unpatched:
+        try:
+            candidate = _candidates.probe_code(code, _candidates.Candidate(path, kind, module_name))
+        except Exception:  # code the probes cannot even read is not a kernel's target
+            continue
+        if candidate.kernel is not None:
+            reproduced.append((subject, candidate))
+    by_module = {}  # the user's module -> its reproduced targets: one register() call each
+    for _subject, candidate in reproduced:
+        if candidate.defined_in not in modeling:
+            by_module.setdefault(candidate.defined_in, []).append(candidate)
+    flags = []
+    for subject, candidate in reproduced:
+        found = f"the probes say {candidate.kernel} reproduces it ({candidate.variant})"
+        home = candidate.defined_in
+        if home in modeling:  # transformers' class or function, holding another library's code
+            code, text = _reason_for(f"{home}:{candidate.path}", modeling[home], records)
+            if code is None:
+                text += "; enable(discover=True, force=True) patches it"
+            flags.append(Flag("unpatched", subject, f"{found}: {text}", None if code is None else code.value))
+        else:
+            call = _register_call(home, by_module[home])
+            flags.append(Flag("unpatched", subject, f"{found}, but nothing patches it: {call}"))
+    return flags
+
+
+def _register_call(module_name, candidates):
+    """The register() call that patches ``candidates`` of the user's module ``module_name``."""
+    model_type = module_name.rpartition(".")[2].strip("_").lower() or "my_model"
+    targets = ", ".join(f"npu_autopatch.Target({c.kernel!r}, {c.path!r})" for c in candidates)
+    return f"npu_autopatch.register({model_type!r}, module={module_name!r}, targets=[{targets}])"
 
 
 def _other_activation(instance):

@@ -1,8 +1,14 @@
 """The package state: every piece of it, in one object, behind one lock.
 
 Stdlib only (it is imported at interpreter start when NPU_AUTOPATCH is set). Other modules
-read and write ``STATE``; none keeps state of its own. Writers hold ``STATE.lock`` (through
-``_log.locked``, which also holds log lines back until the lock is let go).
+read and write ``STATE``; none keeps state of its own. Writers hold the package lock through
+``locked``, which also holds back what the thread defers meanwhile (its log lines, _log)
+until the lock is let go.
+
+Nothing is written to a log while the lock is held: logging takes its own lock, and holding
+ours while waiting for it would order the two locks against logging's fork handler, which
+takes logging's lock before ours (a hang found by tests/test_processes.py: a fork while
+another thread was patching).
 
 A fork while another thread holds the lock would give the child a lock held by a thread
 that does not exist there (every later hook, enable() or status() in the child would hang)
@@ -90,10 +96,45 @@ class _State:
         # is written into the config itself.
         self.default_experts = weakref.WeakValueDictionary()
         self.stock_experts = weakref.WeakValueDictionary()
-        self.deferred = {}  # thread ident -> [depth, messages] while that thread holds the lock
+        self.deferred = {}  # thread ident -> [depth, actions to run once it lets go] while it holds the lock
 
 
 STATE = _State()
+
+
+class _Locked:
+    """``with locked:`` holds the package lock; what this thread defers meanwhile runs after."""
+
+    def __enter__(self):
+        STATE.lock.acquire()
+        STATE.deferred.setdefault(_thread.get_ident(), [0, []])[0] += 1
+
+    def __exit__(self, *exc_info):
+        me = _thread.get_ident()
+        actions = ()
+        try:
+            entry = STATE.deferred[me]
+            entry[0] -= 1
+            if not entry[0]:
+                del STATE.deferred[me]
+                actions = entry[1]
+        finally:
+            STATE.lock.release()
+        for action in actions:
+            action()
+
+
+locked = _Locked()
+
+
+def defer(action):
+    """Run ``action()`` when this thread lets go of the lock; False (not run) if it does not hold it."""
+    entry = STATE.deferred.get(_thread.get_ident())
+    if entry is None:
+        return False
+    entry[1].append(action)
+    return True
+
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(

@@ -14,7 +14,7 @@ def _table_targets(extra=()):
     models) in this transformers."""
     import importlib
 
-    from .. import _ledger
+    from .. import _resolve
     from .._patcher import _transformers_has
     from ..models import MODELS
     from . import KERNELS
@@ -27,10 +27,10 @@ def _table_targets(extra=()):
         for target in model.targets:
             if target.since is not None and not _transformers_has(target.since):
                 continue
-            found = _ledger.resolve(module, target.paths)
+            found = _resolve.resolve(module, target.paths)
             if found is not None:
                 path, current = found[0], found[3]
-                stock = _ledger.stock_function(current) or current
+                stock = _resolve.stock_function(current) or current
                 yield f"{model.model_type}: {path}", KERNELS[target.kernel], stock
 
 
@@ -39,7 +39,7 @@ def _candidate_targets():
     import importlib
     import warnings
 
-    from .. import _candidates, _ledger
+    from .. import _candidates, _resolve
     from . import KERNELS
 
     for names in _candidates.modeling_modules().values():
@@ -52,7 +52,7 @@ def _candidate_targets():
                 continue
             for candidate in _candidates.candidates(module):
                 current = _candidates._stock(module, candidate.path)
-                stock = _ledger.stock_function(current) or current
+                stock = _resolve.stock_function(current) or current
                 for kernel in _candidates._KERNELS_FOR[candidate.kind]:
                     yield f"{name}: {candidate.path}", KERNELS[kernel], stock
 

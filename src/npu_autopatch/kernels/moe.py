@@ -28,9 +28,11 @@ the routing weights in theirs (fp32 for DeepSeek-V3/GLM-4-MoE): no upcast copy o
 
 A call with no tokens at all (a rank whose micro-batch is empty) runs the stock code: the
 ops would get empty inputs, which npu_swiglu refuses and the grouped matmul skips. So does a
-4.x call that reaches a single expert: a group list of counts must not have length 1
-(op-plugin docs, torch_npu-npu_grouped_matmul.md). When an op still raises in the forward, the
-replacement reports it through ``on_error`` and returns the stock result.
+call of a layer with one expert, and a 4.x call that reaches a single expert: a group list of
+counts must not have length 1 (op-plugin docs, torch_npu-npu_grouped_matmul.md). That check
+is per call, so the kernel stays in place for the model's other layers and calls. When an op
+still raises in the forward, the replacement reports it through ``on_error`` and returns the
+stock result.
 
 The kernel needs what op-plugin 7.2.0 brought: a backward for npu_moe_token_permute/unpermute
 (derivatives.yaml) and group_type=2 in npu_grouped_matmul (GroupedMatmulKernelNpuOpApi.cpp);
@@ -194,6 +196,7 @@ def _build_experts(stock, npu, on_error):
             or getattr(self, "has_post_expert_norm", False)
             or getattr(self, "_is_expert_parallel", False)
             or not hidden_states.shape[0]
+            or self.gate_up_proj.shape[0] < 2  # a group list of counts must not have length 1
         ):
             return stock(self, hidden_states, top_k_index, top_k_weights)
         gate_up, down = self.gate_up_proj, self.down_proj
@@ -218,7 +221,11 @@ def _build_experts_kn(stock, npu, on_error):
     routed_experts = _routed_experts(npu)
 
     def forward(self, hidden_states, routing_weights, router_indices):
-        if type(self.act_fn) not in silu_types or not hidden_states.numel():
+        if (
+            type(self.act_fn) not in silu_types
+            or not hidden_states.numel()
+            or self.gate_up_proj.shape[0] < 2  # a group list of counts must not have length 1
+        ):
             return stock(self, hidden_states, routing_weights, router_indices)
         batch_size, hidden_size = hidden_states.shape[0], self.hidden_size
         tokens = hidden_states.reshape(-1, hidden_size)

@@ -395,17 +395,20 @@ def _probe_half(stock, candidate):
 
 
 def _probe_partial(stock, candidate):
+    """Partial rotary (GLM-4-MoE, Qwen3-Next) on partial cos/sin, then at full width; a stock that
+    takes full-width cos/sin only (an interleaved rotary without pass-through) at full width."""
     mismatch = signature_reason(stock, _SIGNATURE_4X, _SIGNATURE_5X)
     if mismatch:
         return mismatch
     gen = generator()
     full, partial = rope_inputs(gen, rotary_dim=8), rope_inputs(gen, rotary_dim=4)
+    inputs = partial if _rotates_part(stock, partial) else full
     return first_disagreement(
-        _compare(stock, candidate, partial),
-        _compare(stock, candidate, _batch_one(*partial)),
-        _compare(stock, candidate, _bsnd(*partial), unsqueeze_dim=2),
+        _compare(stock, candidate, inputs),
+        _compare(stock, candidate, _batch_one(*inputs)),
+        _compare(stock, candidate, _bsnd(*inputs), unsqueeze_dim=2),
         _compare(stock, candidate, full),
-        _compare_mixed(stock, candidate, partial),
+        _compare_mixed(stock, candidate, inputs),
     )
 
 

@@ -13,6 +13,7 @@ import transformers
 
 from npu_autopatch.models import BUILTIN, MODELS
 from npu_autopatch.testing import tiny
+from npu_autopatch.testing.parity import forward_backward, model_batch
 
 
 def shrunk(**fields):
@@ -164,8 +165,8 @@ def test_every_table_model_builds_tiny_and_trains(model_type):
         pytest.skip(f"{model_type} is not in transformers {transformers.__version__}")
     model = tiny.tiny_model(model_type)
     assert sum(p.numel() for p in model.parameters()) < 1_000_000
-    inputs, labels = tiny.model_inputs(model)
-    output, grads = tiny.forward_backward(model, inputs, labels)
+    input_ids, labels, inputs = model_batch(model)
+    output, grads = forward_backward(model, input_ids, labels, **inputs)
     assert torch.isfinite(output).all()
     # The gradient reaches the input embeddings and most parameters: gemma3's SigLIP pooling head is
     # unused and DeepSeek-V3.2's sparse-attention indexer (a top-k selection) gets none, as in stock.

@@ -176,7 +176,7 @@ def test_every_table_model_builds_tiny_and_trains(model_type):
     assert all(torch.isfinite(grads[name]).all() for name in reached)
     # A model with a vision tower is fed an image: its placeholder tokens match the tower's output.
     if "pixel_values" in inputs:
-        assert inputs["input_ids"].shape[1] > tiny.TEXT_TOKENS
+        assert input_ids.shape[1] > tiny.TEXT_TOKENS
     if model_type.endswith("omni_moe") or model_type == "qwen2_5_omni":  # the thinker, with its towers
         assert type(model).__name__.endswith("ThinkerForConditionalGeneration")
         assert {"pixel_values", "input_features"} <= set(inputs)

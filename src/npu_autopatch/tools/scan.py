@@ -6,12 +6,13 @@ found from the package directory), the scan imports it, finds the candidate targ
 ``*Experts``/``*SparseMoeBlock``/``*MoE`` classes and their ``moe`` method) and asks the
 built-in kernels' probes whether they reproduce each one (``kernels.choose_variant``: the
 same check the patcher runs before every swap). Then, for each model type of that module,
-it builds the tiny random model (``testing.tiny``) and compares it stock and with the
-confirmed targets patched, on the CPU stand-in for torch_npu: logits and every gradient,
-fp32 and bf16, with the fused ops counted and the targets that really ran counted too.
+it builds the tiny random model and compares it stock and with the confirmed targets patched,
+on the CPU stand-in for torch_npu: logits and every gradient, fp32 and bf16, with the fused ops
+counted and the targets that really ran counted too. The model, its batch, the training step
+and the comparison are ``testing.parity``'s, as in the tests and ``verify``.
 
 It is a command-line tool: it imports every modeling module, which a library must never do
-on the user's behalf, so nothing else in the package imports this module. The modules are
+on the user's behalf, so nothing in the library imports this module. The modules are
 scanned in child processes, a few package directories each, so that one module that crashes
 or hangs costs one batch, and memory stays flat.
 

@@ -12,7 +12,8 @@ and the rotary layouts the kernels use.
 
 It counts the torch_npu ops that ran by wrapping the op attributes of the torch_npu module
 for the duration of a run (our kernels look them up at call time), so the count works for
-the real module and the stand-in alike; the wrappers are removed afterwards.
+the real module and the stand-in alike; the wrappers are removed afterwards. Patching is off
+while it runs; afterwards the user's selection is enabled again, exactly (``_control.restore``).
 """
 
 from __future__ import annotations

@@ -264,11 +264,10 @@ def _parity(model_type, module, confirmed, model, batch, stock, npu, dtype_name)
 
     import npu_autopatch
 
-    from .._types import Target
     from ..testing import parity as harness
 
     key = f"scan:{model_type}"
-    targets = [Target(c.kernel, c.path) for c in confirmed]
+    targets = [npu_autopatch.Target(c.kernel, c.path) for c in confirmed]
     paths = [c.path for c in confirmed]
     input_ids, labels, inputs = batch
     try:

@@ -5,9 +5,11 @@ counts as one (it is one kernel on the NPU); the aten ops the CPU stand-in runs 
 Python implementation, forward or backward, are not counted. One decoder layer is the
 difference between tiny models with one layer more and one less (for qwen3_moe both extra
 layers are sparse MoE layers). Run with the venv's python:
-    .venv/bin/python benchmarks/aten_ops.py
+    .venv/bin/python benchmarks/aten_ops.py [--quick]
+``--quick``: qwen3 only (tests/test_benchmarks.py runs it, so that the script keeps working).
 """
 
+import argparse
 import sys
 from collections import Counter
 
@@ -16,7 +18,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import npu_autopatch
 from npu_autopatch.testing import _ops, stand_in
-from npu_autopatch.testing.parity import forward_backward, model_batch, tiny_config, tiny_model
+from npu_autopatch.testing.parity import (
+    forward_backward,
+    model_batch,
+    tiny_config,
+    tiny_model,
+    use_patched_experts,
+)
 
 STAND_IN_CODE = _ops.__file__
 
@@ -41,12 +49,24 @@ class CountAten(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def with_layers(model_type, layers):
+    """Config overrides for ``layers`` decoder layers: the per-layer type list (transformers 5.x
+    checks that it has one entry per layer) is cut or grown with its last entry."""
+    text = tiny_config(model_type).get_text_config()
+    overrides = {"num_hidden_layers": layers}
+    kinds = getattr(text, "layer_types", None)
+    if kinds:
+        overrides["layer_types"] = [*kinds[:layers], *kinds[-1:] * (layers - len(kinds))]
+    return overrides
+
+
 def count(model_type, layers, npu, patched):
-    model = tiny_model(model_type, num_hidden_layers=layers)
+    model = tiny_model(model_type, **with_layers(model_type, layers))
     input_ids, labels, inputs = model_batch(model)
     if patched:
         npu_autopatch.enable(models=[model_type])
         assert npu_autopatch.status()[model_type].state == "applied", npu_autopatch.status()[model_type]
+        use_patched_experts(model, model_type)  # 5.x: built before enable(), as a user's model can be
     before = Counter(npu.calls)
     try:
         with CountAten() as mode:
@@ -69,10 +89,13 @@ def per_layer(model_type, npu, patched):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="qwen3 only")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     print("ops per decoder layer, forward + backward (fused stand-in ops count one each)")
     with stand_in() as npu:
-        for model_type in ("qwen3", "qwen3_moe"):
+        for model_type in ("qwen3",) if args.quick else ("qwen3", "qwen3_moe"):
             for patched in (False, True):
                 aten, fused = per_layer(model_type, npu, patched)
                 total = aten + sum(fused.values())

@@ -8,9 +8,11 @@ the stock code. The direct call does the same tensor work inline (the concatenat
 npu_swiglu; for npu_rotary_mul the layout: q/k transposed to [B, S, N, D] and cos/sin to
 [1, S, 1, D], or flattened to [1, B*S, N, D] with a per-sample cos), so the difference is the
 check and the glue. Python frames are counted with sys.setprofile. Run with the venv's python:
-    .venv/bin/python benchmarks/call_overhead.py
+    .venv/bin/python benchmarks/call_overhead.py [--quick]
+``--quick``: a hundredth of the calls, 3 runs (tests/test_benchmarks.py: the script keeps working).
 """
 
+import argparse
 import sys
 import timeit
 import types
@@ -37,9 +39,13 @@ def build(kernel, stock, npu):
     return variant.build(stock, npu, None)
 
 
-def ns_per_call(call, number=20000):
-    """The fastest of 15 runs (timeit's advice): on a shared machine the others measure the neighbours."""
-    return min(timeit.repeat(call, number=number, repeat=15)) / number * 1e9
+FULL, QUICK = (20000, 15), (200, 3)  # (calls per run, runs)
+
+
+def ns_per_call(call, timing=FULL):
+    """The fastest of the runs (timeit's advice): on a shared machine the others measure the neighbours."""
+    number, repeat = timing
+    return min(timeit.repeat(call, number=number, repeat=repeat)) / number * 1e9
 
 
 def frames(call):
@@ -60,6 +66,9 @@ def frames(call):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer calls: does it run, not how fast")
+    timing = QUICK if parser.parse_args().quick else FULL
     torch.set_num_threads(1)
     config = qwen3.Qwen3Config(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16
@@ -115,16 +124,17 @@ def main():
     print("per call, stub ops (our glue only); frames = Python frames of npu_autopatch / all")
     for name, (patched, direct, stock) in rows.items():
         with torch.no_grad():
-            t_patched, t_direct, t_stock = ns_per_call(patched), ns_per_call(direct), ns_per_call(stock)
+            t_patched, t_direct = ns_per_call(patched, timing), ns_per_call(direct, timing)
+            t_stock = ns_per_call(stock, timing)
             ours, total = frames(patched)
         print(
             f"  {name:<34} patched {t_patched:7.0f} ns, direct {t_direct:7.0f} ns "
             f"({t_patched - t_direct:+5.0f} ns); stock on CPU {t_stock:7.0f} ns; frames {ours}/{total}"
         )
-    print(f"rope per-call shape check: {check_ns(qwen3.apply_rotary_pos_emb, npu):.0f} ns")
+    print(f"rope per-call shape check: {check_ns(qwen3.apply_rotary_pos_emb, npu, timing):.0f} ns")
 
 
-def check_ns(stock_function, npu):
+def check_ns(stock_function, npu, timing):
     """What the rotary replacement's shape check costs: the replacement built on a no-op stock, called
     with an empty sequence, which passes every comparison but the last and then calls stock, against
     calling that no-op directly (the difference also holds the replacement's own frame)."""
@@ -136,8 +146,9 @@ def check_ns(stock_function, npu):
     assert variant is not None, reason
     rotary = variant.build(no_op, npu, None)
     q, k, cos = torch.randn(2, 4, 0, 16), torch.randn(2, 2, 0, 16), torch.randn(1, 0, 16)
-    patched = ns_per_call(lambda: rotary(q, k, cos, cos), 100000)
-    return patched - ns_per_call(lambda: no_op(q, k, cos, cos), 100000)
+    timing = (timing[0] * 5, timing[1])  # a few ns each: more calls per run
+    patched = ns_per_call(lambda: rotary(q, k, cos, cos), timing)
+    return patched - ns_per_call(lambda: no_op(q, k, cos, cos), timing)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@
 - a discovered model's patch at its import (modeling_doge), probes included.
 
 Each figure is the median over RUNS child processes, on and off alternating. Run with the
-venv's python, e.g. ``.venv/bin/python benchmarks/discovery_overhead.py``.
+venv's python, e.g. ``.venv/bin/python benchmarks/discovery_overhead.py [--quick]``
+(``--quick``: one process each, as tests/test_benchmarks.py runs it so that the script keeps working).
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -74,16 +76,19 @@ def run(discover: bool, stand_in: str) -> dict:
 def main() -> None:
     import transformers
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one process each")
+    count = 1 if parser.parse_args().quick else RUNS
     stand_in = os.path.join(os.path.dirname(__file__), "..", "tests", "stand_in_site")
     runs = {True: [], False: []}
-    for _ in range(RUNS):
+    for _ in range(count):
         for discover in (True, False):
             runs[discover].append(run(discover, os.path.abspath(stand_in)))
 
     def ms(discover, key):
         return statistics.median(r[key] for r in runs[discover]) * 1e3
 
-    print(f"transformers {transformers.__version__}, median of {RUNS} fresh processes each")
+    print(f"transformers {transformers.__version__}, median of {count} fresh processes each")
     print(f"modules hooked for discovery:           {runs[True][0]['hooked']}")
     print(f"arming, discovery off:                  {ms(False, 'arm'):7.2f} ms")
     print(f"arming, discovery on:                   {ms(True, 'arm'):7.2f} ms")

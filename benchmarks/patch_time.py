@@ -13,7 +13,9 @@
 3. ``python -m npu_autopatch check --simulate`` end to end, next to importing the same
    modeling modules without patching.
 Run with the venv's python:
-    .venv/bin/python benchmarks/patch_time.py [--extra FILE] [--live] [--only-apply]
+    .venv/bin/python benchmarks/patch_time.py [--extra FILE] [--live] [--only-apply] [--quick]
+``--quick``: 2 runs of apply() for three models, the first model once, no ``check`` (it imports every
+modeling module); tests/test_benchmarks.py runs it, so that the script keeps working.
 """
 
 import argparse
@@ -30,7 +32,11 @@ STAND_IN_SITE = Path(__file__).resolve().parents[1] / "tests" / "stand_in_site"
 RUNS = 30
 
 
-def per_model(extra=()):
+QUICK_MODELS = ("llama", "qwen3_moe", "qwen2_5_vl")  # a dense, an MoE and a VL model
+
+
+def per_model(extra=(), runs=RUNS, only=None):
+    """[(model type, min ms, median ms, targets, state)] of apply(); ``only``: these model types."""
     import npu_autopatch
     from npu_autopatch import _ledger, _patcher
     from npu_autopatch._state import STATE
@@ -44,6 +50,8 @@ def per_model(extra=()):
     with stand_in():
         modules = {}
         for model_type, model in STATE.models.items():
+            if only is not None and model_type not in only:
+                continue
             try:
                 modules[model_type] = importlib.import_module(model.module)
             except ImportError:
@@ -51,7 +59,7 @@ def per_model(extra=()):
         npu_autopatch.enable()  # patches every imported module once: warm-up (kernels, golden ops, device)
         for model_type, module in modules.items():
             samples = []
-            for _ in range(RUNS):
+            for _ in range(runs):
                 _ledger.release_all(model_type)
                 STATE.records.pop(model_type, None)
                 _fingerprint.forget()  # nothing remembered: as the first patch of that code in a process
@@ -87,7 +95,7 @@ def fresh(code, **env):
     return time.perf_counter() - begin, run.stdout
 
 
-def first_model(runs=5):
+def first_model(runs):
     on, off = [], []
     for _ in range(runs):
         off.append(float(fresh(["-c", FIRST], NPU_AUTOPATCH="0")[1]))
@@ -119,14 +127,18 @@ def main():
     parser.add_argument("--extra", help="a Python file defining a dict of Model to measure too")
     parser.add_argument("--live", action="store_true", help="probe every target: no reused verdicts")
     parser.add_argument("--only-apply", action="store_true", help="measure apply() per model only")
+    parser.add_argument("--quick", action="store_true", help="3 models, 2 runs, first model once, no check")
     args = parser.parse_args()
+    runs, first_runs = (2, 1) if args.quick else (RUNS, 5)
     if args.live:
         os.environ["NPU_AUTOPATCH_PROBE"] = "always"
-    from npu_autopatch.kernels._generate import extra_models  # the generator's reader of the same file
+    from npu_autopatch.tools.verdicts import extra_models  # the generator's reader of the same file
 
-    rows = per_model(extra_models(args.extra) if args.extra else ())
+    rows = per_model(
+        extra_models(args.extra) if args.extra else (), runs, QUICK_MODELS if args.quick else None
+    )
     how = "every target probed live" if args.live else "verdicts reused by fingerprint where known"
-    print(f"apply() per model, warm, CPU time min / median of {RUNS} (CPU stand-in, {how}):")
+    print(f"apply() per model, warm, CPU time min / median of {runs} (CPU stand-in, {how}):")
     for model_type, best, median, targets, state in rows:
         print(f"  {model_type:<18}{best:7.2f} / {median:5.2f} ms  {targets} targets  {state}")
     worst = max(rows, key=lambda row: row[1])
@@ -138,11 +150,13 @@ def main():
     )
     if args.only_apply:
         return
-    off, on = first_model()
+    off, on = first_model(first_runs)
     print(
         f"first model of a process (import modeling_qwen3): {off:.0f} ms stock, {on:.0f} ms patched "
         f"(+{on - off:.0f} ms, one-time imports included)"
     )
+    if args.quick:
+        return
     check, plain = check_simulate()
     print(
         f"python -m npu_autopatch check --simulate: {check:.2f} s "

@@ -1,10 +1,12 @@
 """Interpreter start-up with NPU_AUTOPATCH=1 vs =0, in a process that never imports transformers.
 
 Goal (issue 2): within 30% of the unpatched start. Run with the venv's python:
-    .venv/bin/python benchmarks/startup.py [runs]
-Interleaves the two settings so that machine noise hits both alike; reports medians.
+    .venv/bin/python benchmarks/startup.py [runs] [--quick]
+Interleaves the two settings, ten starts at a time, so that machine noise hits both alike; reports
+medians. ``--quick``: two starts each (tests/test_benchmarks.py: the script keeps working).
 """
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -22,12 +24,17 @@ def time_start(env, runs):
 
 
 def main():
-    runs = int(sys.argv[1]) if len(sys.argv) > 1 else 60
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="?", type=int, default=60, help="starts of each setting")
+    parser.add_argument("--quick", action="store_true", help="two starts of each setting")
+    args = parser.parse_args()
+    runs = 2 if args.quick else args.runs
     base = {k: v for k, v in os.environ.items() if not k.startswith("NPU_AUTOPATCH")}
     off, on = [], []
-    for _ in range(runs // 10):
-        off += time_start({**base, "NPU_AUTOPATCH": "0"}, 10)
-        on += time_start({**base, "NPU_AUTOPATCH": "1"}, 10)
+    for begin in range(0, runs, 10):
+        batch = min(10, runs - begin)
+        off += time_start({**base, "NPU_AUTOPATCH": "0"}, batch)
+        on += time_start({**base, "NPU_AUTOPATCH": "1"}, batch)
     off_ms, on_ms = statistics.median(off) * 1e3, statistics.median(on) * 1e3
     print(f"python -c pass, median of {len(off)} runs each")
     print(f"  NPU_AUTOPATCH=0: {off_ms:6.1f} ms")

@@ -81,3 +81,20 @@ def test_status_prints_the_environment_and_every_model():
     for model in DENSE:
         assert f"\n{model} " in run.stdout
     assert "waiting for the import of transformers.models.llama.modeling_llama" in run.stdout
+
+
+def test_the_tools_commands_answer_through_the_entry_points():
+    # The tools live in npu_autopatch.tools; both entry points still reach them.
+    scan = cli("scan", "--help")
+    assert scan.returncode == 0, scan.stderr
+    assert "--no-parity" in scan.stdout
+    generator = subprocess.run(
+        [sys.executable, "-m", "npu_autopatch.kernels", "--help"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert generator.returncode == 0, generator.stderr
+    assert "--write" in generator.stdout and "python -m npu_autopatch.kernels" in generator.stdout

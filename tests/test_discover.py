@@ -29,37 +29,33 @@ def child_json(code, **env):
 # A model built (and so its modeling module imported) with discovery on, trained patched,
 # then trained stock after disable() on the same weights and inputs; each dtype from one seed.
 # bf16 within rounding: a tensor beyond tolerance passes only if patched is no further from the
-# fp32 run of the same weights than stock bf16 is (the scan's rule: diffllama's lambda_* gradients).
+# fp32 run of the same weights than stock bf16 is (parity's rule: diffllama's lambda_* gradients).
 PARITY = """
 import collections, json, torch
 import npu_autopatch
 {enable}
 import torch_npu
-from npu_autopatch.testing import tiny
+from npu_autopatch.testing import parity, tiny
 from npu_autopatch.testing.parity import TOLERANCE, ParityReport, compare
-from npu_autopatch._scan import _closer_to_fp32  # bf16: patched no further from fp32 than stock
 
 out = {{}}
 for dtype in (torch.float32, torch.bfloat16):
     model = tiny.tiny_model({model_type!r}, dtype)
-    inputs, labels = tiny.model_inputs(model)
+    batch = parity.model_batch(model)
     before = collections.Counter(torch_npu.calls)
-    torch.manual_seed(0)
-    patched = tiny.forward_backward(model, inputs, labels)
+    patched = parity.forward_backward(model, batch[0], batch[1], **batch[2])
     calls = dict(collections.Counter(torch_npu.calls) - before)
     rec = npu_autopatch.status()[{model_type!r}]
     npu_autopatch.disable()
     before = collections.Counter(torch_npu.calls)
-    torch.manual_seed(0)
-    stock = tiny.forward_backward(model, inputs, labels)
+    stock = parity.forward_backward(model, batch[0], batch[1], **batch[2])
     stock_calls = dict(collections.Counter(torch_npu.calls) - before)
     name = str(dtype).split(".")[-1]
     report = compare(ParityReport({model_type!r}, name, rec.state, rec.reason, rec.kernels,
                                   tolerance=TOLERANCE[dtype]), stock, patched)
-    over = list(report.over_tolerance)
-    rounding = _closer_to_fp32(model, inputs, labels, over, stock, patched, TOLERANCE[dtype])
+    parity.closer_to_fp32(report, model, batch, stock, patched)  # bf16: no further from fp32 than stock
     out[name] = {{"record": rec.as_dict(), "calls": calls, "stock_calls": stock_calls,
-                 "over": [n for n in over if n not in rounding], "missing": list(report.missing_grads),
+                 "over": list(report.over_tolerance), "missing": list(report.missing_grads),
                  "logits_error": report.logits_error, "grad_error": report.grad_error}}
     {reenable}
 print(json.dumps(out))

@@ -6,7 +6,8 @@ import types
 import pytest
 import transformers
 
-from npu_autopatch.kernels import KERNELS, Kernel, Variant, _fingerprint, _generate, _verdicts, choose_variant
+from npu_autopatch.kernels import KERNELS, Kernel, Variant, _fingerprint, _verdicts, choose_variant
+from npu_autopatch.tools import verdicts as generator
 
 REGENERATE = (
     "the shipped verdicts are stale: run `python -m npu_autopatch.kernels --write` "
@@ -22,7 +23,7 @@ def fresh_memo():
 
 
 def table_targets():
-    return list(_generate._table_targets())
+    return list(generator.table_targets())
 
 
 def live(kernel, stock, monkeypatch):
@@ -49,7 +50,7 @@ def test_every_table_target_is_in_the_shipped_table_with_its_live_verdict(monkey
 
 def test_no_fingerprint_of_the_table_has_two_verdicts():
     """(iii): over every target of the table, one fingerprint, one verdict (live_verdicts raises)."""
-    verdicts = _generate.live_verdicts(table_targets())
+    verdicts = generator.live_verdicts(table_targets())
     assert sum(map(len, verdicts.values())) < len(table_targets())  # shared code is shared
 
 
@@ -126,7 +127,7 @@ def test_a_plugin_kernel_named_like_ours_is_probed(monkeypatch):
 
 
 def test_the_generator_reports_this_transformers(capsys):
-    assert _generate.main([]) == 0
+    assert generator.main([]) == 0
     assert f"transformers {transformers.__version__}: " in capsys.readouterr().out
 
 

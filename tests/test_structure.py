@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, one version, what the distributions ship (issue 10 item 13)."""
+"""The package's shape: no import cycles, the tools apart from the library, one version, what the
+distributions ship (issue 10 item 13, issue 17)."""
 
 import ast
 import re
@@ -50,15 +51,16 @@ def internal_imports():
 
 
 def find_cycle(graph):
+    """A list of modules that import each other in a ring (first == last), or None."""
     state = {}
 
     def visit(node, stack):
         state[node] = "open"
         for nxt in sorted(graph.get(node, ())):
-            if nxt.startswith("npu_autopatch.testing") or nxt not in graph:
+            if nxt not in graph:
                 continue
             if state.get(nxt) == "open":
-                return [*stack[stack.index(nxt) :], nxt] if nxt in stack else [node, nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state:
                 found = visit(nxt, [*stack, nxt])
                 if found:
@@ -67,20 +69,80 @@ def find_cycle(graph):
         return None
 
     for node in sorted(graph):
-        if node not in state and not node.startswith("npu_autopatch.testing"):
+        if node not in state:
             found = visit(node, [node])
             if found:
                 return found
     return None
 
 
+TOOLS = "npu_autopatch.tools"
+# The command-line entry points: they import a tool when its command runs (and nothing imports them).
+ENTRY_POINTS = frozenset(["npu_autopatch.__main__", "npu_autopatch.kernels.__main__"])
+
+
+def _is_tool(name):
+    return name == TOOLS or name.startswith(TOOLS + ".")
+
+
+def tools_importers(graph, named=None):
+    """The library modules (outside tools/ and the entry points) that import a tool: by an import
+    statement (``graph``), or by name, e.g. for importlib (``named``: {module: dotted names in its
+    string constants})."""
+    named = named or {}
+    return sorted(
+        module
+        for module, edges in graph.items()
+        if not _is_tool(module)
+        and module not in ENTRY_POINTS
+        and any(_is_tool(name) for name in (*edges, *named.get(module, ())))
+    )
+
+
+def dotted_names_in_strings():
+    """{module: the string constants of its source that name a module of the package}."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        names[_module_name(path)] = {
+            node.value
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.fullmatch(r"npu_autopatch(\.\w+)+", node.value)
+        }
+    return names
+
+
 def test_the_package_has_no_import_cycle():
-    cycle = find_cycle(internal_imports())
+    graph = internal_imports()
+    assert {"npu_autopatch.testing.parity", "npu_autopatch.tools.scan"} <= set(graph)  # all of it
+    cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
 
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_library_module_imports_the_tools():
+    graph = internal_imports()
+    assert "npu_autopatch.tools.verify" in graph["npu_autopatch.__main__"]  # the graph sees the tools
+    assert tools_importers(graph, dotted_names_in_strings()) == []
+
+
+def test_the_tools_check_finds_an_import_of_a_tool():
+    graph = {
+        "npu_autopatch._control": {"npu_autopatch._state"},
+        "npu_autopatch._patcher": {"npu_autopatch.tools.scan"},
+        "npu_autopatch.tools.scan": {"npu_autopatch._candidates"},
+        "npu_autopatch.__main__": {"npu_autopatch.tools.scan"},
+    }
+    assert tools_importers(graph) == ["npu_autopatch._patcher"]
+    assert tools_importers(graph, {"npu_autopatch._control": {"npu_autopatch.tools.verify"}}) == [
+        "npu_autopatch._control",
+        "npu_autopatch._patcher",
+    ]
 
 
 def test_one_version_source():

@@ -13,6 +13,7 @@ import transformers
 
 from npu_autopatch.models import BUILTIN, MODELS
 from npu_autopatch.testing import tiny
+from npu_autopatch.testing.parity import forward_backward, model_batch
 
 
 def shrunk(**fields):
@@ -164,8 +165,8 @@ def test_every_table_model_builds_tiny_and_trains(model_type):
         pytest.skip(f"{model_type} is not in transformers {transformers.__version__}")
     model = tiny.tiny_model(model_type)
     assert sum(p.numel() for p in model.parameters()) < 1_000_000
-    inputs, labels = tiny.model_inputs(model)
-    output, grads = tiny.forward_backward(model, inputs, labels)
+    input_ids, labels, inputs = model_batch(model)
+    output, grads = forward_backward(model, input_ids, labels, **inputs)
     assert torch.isfinite(output).all()
     # The gradient reaches the input embeddings and most parameters: gemma3's SigLIP pooling head is
     # unused and DeepSeek-V3.2's sparse-attention indexer (a top-k selection) gets none, as in stock.
@@ -175,7 +176,7 @@ def test_every_table_model_builds_tiny_and_trains(model_type):
     assert all(torch.isfinite(grads[name]).all() for name in reached)
     # A model with a vision tower is fed an image: its placeholder tokens match the tower's output.
     if "pixel_values" in inputs:
-        assert inputs["input_ids"].shape[1] > tiny.TEXT_TOKENS
+        assert input_ids.shape[1] > tiny.TEXT_TOKENS
     if model_type.endswith("omni_moe") or model_type == "qwen2_5_omni":  # the thinker, with its towers
         assert type(model).__name__.endswith("ThinkerForConditionalGeneration")
         assert {"pixel_values", "input_features"} <= set(inputs)

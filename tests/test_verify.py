@@ -7,9 +7,7 @@ import sys
 
 import transformers
 
-from npu_autopatch.models import MODELS
-
-from .conftest import ROOT, child_env, run_python
+from .conftest import ROOT, STAND_IN_SITE, child_env, run_python
 
 SIMULATE = ["verify", "--device", "cpu", "--simulate"]
 
@@ -25,23 +23,27 @@ def cli(*args):
     )
 
 
-def test_every_supported_model_verifies_on_the_stand_in():
-    # bf16, the dtype with the rounding rules (fp32: the tests below); both dtypes of every model are
-    # the parity tests', so the 45 models are verified once here, not twice (3 CPU minutes).
-    run = cli(*SIMULATE, "--dtype", "bfloat16", "--json")
+# A dense model, an MoE and a vision-language one: the tool's behaviour on each kind of model. Per-model
+# parity over the whole table is the parity tests' (tests/test_parity_models.py), not repeated here.
+REPRESENTATIVE = ("llama", "qwen3_moe", "qwen2_5_vl")
+
+
+def test_a_dense_an_moe_and_a_vl_model_verify_on_the_stand_in():
+    # bf16, the dtype with the rounding rules (fp32: the tests below).
+    run = cli(*SIMULATE, "--models", ",".join(REPRESENTATIVE), "--dtype", "bfloat16", "--json")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert report["passed"] is True
     assert report["environment"]["simulated"] is True
     assert report["environment"]["transformers"] == transformers.__version__
-    verified = {r["model"] for r in report["results"] if r["status"] == "pass"}
-    absent = {r["model"] for r in report["results"] if r["status"] == "not present"}
-    assert verified | absent == set(MODELS)
-    assert {"llama", "mistral", "qwen2", "qwen3"} <= verified
-    for result in report["results"]:
-        if result["status"] == "pass":
-            assert result["ops_called"].get("npu_rms_norm", 0) > 0, result
-            assert result["dtype"] == "bfloat16"
+    results = {r["model"]: r for r in report["results"]}
+    assert set(results) == set(REPRESENTATIVE)
+    for result in results.values():
+        assert (result["status"], result["state"], result["dtype"]) == ("pass", "applied", "bfloat16"), result
+        assert result["ops_called"].get("npu_rms_norm", 0) > 0, result
+    assert "moe" in results["qwen3_moe"]["kernels"]
+    assert results["qwen3_moe"]["ops_called"].get("npu_grouped_matmul", 0) > 0, results["qwen3_moe"]
+    assert "npu_rotary_mul" in results["qwen2_5_vl"]["ops_called"]  # its mRoPE text rotary
     # The decisions for this torch_npu, and the rotary shape sweep on it.
     assert report["decisions"]["torch_npu"] == report["environment"]["torch_npu"]
     assert report["decisions"]["gated"] == {}
@@ -136,6 +138,33 @@ def test_verify_leaves_patching_as_it_found_it():
     assert run.returncode == 0, run.stderr
     assert "enabled: False" in run.stdout
     assert "stock: transformers.models.qwen2.modeling_qwen2" in run.stdout
+
+
+def test_verify_puts_back_the_users_very_selection():
+    # On an NPU (here the stand-in site's torch_npu), patching enabled with a selection of the
+    # user's: verify turns patching off for its runs, then enables exactly that selection again.
+    run = run_python(
+        """
+        import npu_autopatch
+        from npu_autopatch._state import STATE
+        from npu_autopatch.__main__ import main
+        from transformers.models.qwen2 import modeling_qwen2
+        from transformers.models.qwen3 import modeling_qwen3
+
+        npu_autopatch.enable(models=["qwen2", "qwen3"], exclude=["qwen3"], kernels=["rms_norm"], strict=True)
+        before = repr(STATE.config)
+        main(["verify", "--device", "cpu", "--simulate", "--models", "llama", "--dtype", "float32"])
+        print("config:", repr(STATE.config) == before, repr(STATE.config))
+        status = npu_autopatch.status()
+        print("qwen2:", status["qwen2"].state, ",".join(status["qwen2"].kernels))
+        print("qwen3:", status["qwen3"].state, status["qwen3"].code)
+        """,
+        PYTHONPATH=str(STAND_IN_SITE),
+    )
+    assert run.returncode == 0, run.stderr
+    assert "config: True" in run.stdout, run.stdout
+    assert "qwen2: applied rms_norm" in run.stdout
+    assert "qwen3: skipped excluded" in run.stdout
 
 
 def test_without_an_npu_verify_says_how_to_simulate():

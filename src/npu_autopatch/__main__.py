@@ -4,10 +4,10 @@ status  the environment and the state of every supported model in this process.
 check   enable patching, import every supported modeling module, print the same table;
         exit status 1 if any model failed. ``--simulate`` first installs the CPU stand-in
         for torch_npu (npu_autopatch.testing), so it runs on any machine.
-verify  stock vs patched parity on tiny random models, per model (see verify.py).
+verify  stock vs patched parity on tiny random models, per model (see tools/verify.py).
 models  the supported models, kernels and targets as a markdown table (the README's).
 scan    every modeling module of the installed transformers: which code the kernels
-        reproduce, and parity of each model type's tiny model (see _scan.py).
+        reproduce, and parity of each model type's tiny model (see tools/scan.py).
 report  the tiny model of one model type, built on the CPU stand-in with patching enabled
         before transformers is imported (the lazy path): what each module class runs, ours,
         stock or foreign, and the flags (see _report.py).
@@ -167,13 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     report_cmd.add_argument("--markdown", action="store_true", help="markdown tables")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["scan"]:  # its own parser and options
-        from . import _scan
+        from .tools import scan
 
-        return _scan.main(argv[1:])
+        return scan.main(argv[1:])
     args = parser.parse_args(argv)
 
     if args.command == "verify":
-        from . import verify
+        from .tools import verify
 
         return verify.main(args)
 

@@ -120,6 +120,20 @@ def _stock(module, path):
     return owner
 
 
+def kernels_for(kind: str) -> tuple[str, ...]:
+    """The kernels whose probes judge a candidate of this kind (norm, mlp, rope, moe)."""
+    return _KERNELS_FOR[kind]
+
+
+def stock_code(module, path: str):
+    """The stock function at ``path`` of ``module``, unwrapped as the probes see it (the scan and the
+    verdict generator probe it too)."""
+    from ._resolve import stock_function
+
+    current = _stock(module, path)
+    return stock_function(current) or current
+
+
 def probe(module, candidate: Candidate) -> Candidate:
     """Ask each kernel of the candidate's kind whether one of its variants reproduces it."""
     return probe_code(_stock(module, candidate.path), candidate)
@@ -131,7 +145,7 @@ def probe_code(current, candidate: Candidate) -> Candidate:
     from .kernels import KERNELS, choose_variant
 
     stock = stock_function(current) or current
-    for kernel in _KERNELS_FOR[candidate.kind]:
+    for kernel in kernels_for(candidate.kind):
         try:
             variant, reason = choose_variant(KERNELS[kernel], stock)
         except Exception as exc:  # a probe that raised refuses the candidate, with the error

@@ -99,6 +99,12 @@ def enable(
         config = _config.resolve(
             models, exclude, kernels, strict, force, _log.warning, valid, discover=discover
         )
+    _apply(config)
+
+
+def _apply(config):
+    """enable() with a resolved selection."""
+    with locked:
         if STATE.enabled and config == STATE.config:
             return
         _revert_all("a new selection replaced the previous one")
@@ -115,6 +121,24 @@ def enable(
         errors = _arm()
         if errors:
             raise errors[0]
+
+
+def selection() -> _config.Config | None:
+    """The active selection (a ``_config.Config``), or None while patching is off.
+
+    For a tool that turns patching off for a while (``verify``): restore() puts back exactly this,
+    where a bare enable() would lose the user's models, exclusions, kernels and strictness.
+    """
+    with locked:
+        return STATE.config if STATE.enabled else None
+
+
+def restore(chosen: _config.Config | None) -> None:
+    """Put back a selection() taken earlier: that very selection enabled, or patching off for None."""
+    if chosen is None:
+        disable()
+    else:
+        _apply(chosen)
 
 
 def _arm(models=None):

@@ -274,6 +274,12 @@ def _transformers_has(release):
     )
 
 
+def present_targets(targets):
+    """The targets the imported transformers has (a target with ``since`` from that release on): the
+    ones the patcher tries, and the verdict generator probes."""
+    return [t for t in targets if t.since is None or _transformers_has(t.since)]
+
+
 def _plan(model, module, config, generation):
     """Resolve, check, probe and build every selected target; swap nothing.
 
@@ -286,7 +292,7 @@ def _plan(model, module, config, generation):
     if model.load is not None and not targets:
         targets = model.targets = _load_plugin(model)
     steps, placed, stock = [], [], {}
-    targets = [t for t in targets if t.since is None or _transformers_has(t.since)]
+    targets = present_targets(targets)
     selected = [t for t in targets if config.kernels is None or t.kernel_name in config.kernels]
     if not selected:
         raise _Skip("no-kernel-selected", "none of its kernels is selected")

@@ -33,15 +33,16 @@ def _reraise(exc, *tensors):
     raise exc
 
 
-def choose_variant(kernel, stock):
+def choose_variant(kernel, stock, live=False):
     """(variant, None) for the first variant that reproduces ``stock``, else (None, reasons).
 
     The probes run in ``neutral_torch()``: the verdict does not depend on the torch state
     (meta device, init_empty_weights, default dtype, autocast, ...) the import happens in.
     Code whose fingerprint has a verdict already (this process, or our CI's shipped table)
-    is not probed again: see ``_fingerprint``.
+    is not probed again: see ``_fingerprint``. ``live=True`` probes it anyway, as
+    ``NPU_AUTOPATCH_PROBE=always`` does (the verdict generator, which must not set the variable).
     """
-    key, known = _fingerprint.recall(kernel, stock)
+    key, known = (None, None) if live else _fingerprint.recall(kernel, stock)
     if known is not None:
         return known
     verdict = _probe_variants(kernel, stock)

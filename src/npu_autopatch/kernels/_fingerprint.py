@@ -21,7 +21,8 @@ A refusal's reason names the class it was found on, so refusals are kept per qua
 
 ``NPU_AUTOPATCH_PROBE=always`` turns both off: every target is probed live.
 
-Regenerate after changing a kernel (tests/test_fingerprint.py fails until then; _generate.py), with each venv:
+Regenerate after changing a kernel (tests/test_fingerprint.py fails until then; tools/verdicts.py), with each
+venv:
 ``python -m npu_autopatch.kernels --write [--extra models.py]``; the second run merges into the
 first (``--extra``: a file with a dict of ``Model`` to count as table models, e.g. a proposed table).
 """

@@ -27,7 +27,7 @@ from . import tiny
 
 # The tiny models are testing.tiny's: any model type, from its own config class, with a vision
 # (and audio) tower fed an image (and a clip) where the model has one. One builder for our tests,
-# ``verify`` and plugin authors.
+# ``scan``, ``verify`` and plugin authors.
 model_batch = tiny.model_batch
 
 # The few fields the generic builder's defaults leave unfit for parity: HunYuan-MoE's default
@@ -95,20 +95,79 @@ class ParityReport:
         return (self.state == "applied" or gated) and not self.missing_grads and not self.over_tolerance
 
 
-def forward_backward(model, input_ids, labels, **inputs):
-    """(logits in fp32, {parameter name: gradient in fp32 or None}) of one training step.
+# The global RNG seed of every training step: a model that draws random numbers in training (dropout
+# the shrinking missed, DINOv3's rotary jitter) draws the same ones stock and patched, since the
+# kernels draw none.
+STEP_SEED = 0
 
-    ``inputs`` are further model inputs (images).
+
+def forward(model, input_ids, **inputs) -> torch.Tensor:
+    """The main output of one training forward: the logits, else the last hidden state (a base model,
+    a tower). The RNG is seeded with STEP_SEED, and the caller's RNG state left as it was.
+
+    ``input_ids`` is None for a model without text input; ``inputs`` are its other inputs (images).
     """
-    model.zero_grad(set_to_none=True)
-    logits = model(input_ids=input_ids, **inputs).logits
-    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+    if input_ids is not None:
+        inputs = {"input_ids": input_ids, **inputs}
+    with torch.random.fork_rng():
+        torch.manual_seed(STEP_SEED)
+        output = model(**inputs)
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise tiny.TinyModelError(f"no tensor output in {type(output).__name__}")
+
+
+def backward(model, output: torch.Tensor, labels: torch.Tensor):
+    """(``output`` in fp32, {parameter name: gradient in fp32 or None}) after the backward of its loss.
+
+    The loss is cross-entropy of the logits against ``labels`` when the model has an LM head, else a
+    fixed random projection of its main output (base models, towers).
+    """
+    if (
+        output.dim() == 3
+        and output.shape[:2] == labels.shape
+        and output.shape[-1] >= tiny.vocab_size(model.config)
+    ):
+        loss = torch.nn.functional.cross_entropy(output.float().flatten(0, 1), labels.flatten())
+    else:
+        gen = torch.Generator().manual_seed(0)
+        loss = (output.float() * torch.randn(output.shape, generator=gen).to(output.device)).mean()
     loss.backward()
     grads = {
         name: None if p.grad is None else p.grad.detach().float().clone()
         for name, p in model.named_parameters()
     }
-    return logits.detach().float(), grads
+    return output.detach().float(), grads
+
+
+def report_of(record, dtype: torch.dtype, **measured) -> ParityReport:
+    """An empty ParityReport of a model patched as ``record`` (its status()) says, in ``dtype``'s
+    tolerance; ``measured``: further fields (ops called, seconds). compare() fills in the errors."""
+    return ParityReport(
+        model=record.model,
+        dtype=str(dtype).replace("torch.", ""),
+        state=str(record.state),
+        reason=record.reason,
+        kernels=record.kernels,
+        code=None if record.code is None else str(record.code),
+        stock={target: str(code) for target, code in record.stock.items()},
+        tolerance=TOLERANCE[dtype],
+        **measured,
+    )
+
+
+def forward_backward(model, input_ids, labels, **inputs):
+    """(main output in fp32, {parameter name: gradient in fp32 or None}) of one training step: the
+    one step of the tests, ``scan``, ``verify`` and plugin authors (forward, then backward).
+
+    ``input_ids`` is None for a model without text input; ``inputs`` are its other inputs (images).
+    """
+    model.zero_grad(set_to_none=True)
+    return backward(model, forward(model, input_ids, **inputs), labels)
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -236,18 +295,8 @@ def check_parity(
     if lazy:
         stock, stock_seconds = _timed(device, forward_backward, model, input_ids, labels, **inputs)
     ops = dict(collections.Counter(calls) - before) if calls is not None else {}
-    report = ParityReport(
-        model=model_type,
-        dtype=str(dtype).replace("torch.", ""),
-        state=str(record.state),
-        reason=record.reason,
-        kernels=record.kernels,
-        code=None if record.code is None else str(record.code),
-        stock={target: str(code) for target, code in record.stock.items()},
-        ops_called=ops,
-        tolerance=TOLERANCE[dtype],
-        stock_seconds=stock_seconds,
-        patched_seconds=patched_seconds,
+    report = report_of(
+        record, dtype, ops_called=ops, stock_seconds=stock_seconds, patched_seconds=patched_seconds
     )
     compare(report, stock, patched)
     return closer_to_fp32(report, model, (input_ids, labels, inputs), stock, patched)

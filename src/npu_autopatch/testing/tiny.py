@@ -40,14 +40,12 @@ import torch
 
 __all__ = [
     "TinyModelError",
-    "backward",
     "build_config",
-    "forward_backward",
-    "main_output",
     "model_batch",
     "model_inputs",
     "tiny_config",
     "tiny_model",
+    "vocab_size",
 ]
 
 # The sizes of the tiny models (today's parity models: hidden 64, 4 heads of 16, 2 kv heads,
@@ -888,7 +886,8 @@ def _find(config, *names):
     return None
 
 
-def _vocab(config) -> int:
+def vocab_size(config) -> int:
+    """The text vocabulary of a (tiny) model's config: what its logits range over."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "vocab_size", None) or TEXT["vocab"]
 
@@ -1065,7 +1064,7 @@ def model_inputs(model, seed: int = 1) -> tuple[dict, torch.Tensor]:
     if "input_ids" not in accepted:
         inputs = _tower_only_inputs(model, dtype, gen)
         return inputs, torch.zeros(BATCH, dtype=torch.long)
-    vocab = _vocab(config)
+    vocab = vocab_size(config)
     low = min([vocab, *(_special_ids(config))])
     if low < 4:
         raise TinyModelError(f"{config.model_type}: no room for text tokens below the special ids")
@@ -1092,42 +1091,7 @@ def model_inputs(model, seed: int = 1) -> tuple[dict, torch.Tensor]:
 
 
 def model_batch(model, seed: int = 1):
-    """(input_ids, labels, other inputs): the shape of ``testing.parity.model_batch``."""
+    """(input_ids, labels, other inputs): the shape of ``testing.parity.model_batch``; input_ids is
+    None for a model without text input (a tower on its own)."""
     inputs, labels = model_inputs(model, seed)
-    return inputs.pop("input_ids"), labels, inputs
-
-
-def main_output(output) -> torch.Tensor:
-    """The tensor a training loss is computed from: the logits, else the last hidden state."""
-    for name in ("logits", "last_hidden_state"):
-        value = getattr(output, name, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise TinyModelError(f"no tensor output in {type(output).__name__}")
-
-
-def backward(model, output: torch.Tensor, labels: torch.Tensor):
-    """(``output`` in fp32, {parameter: gradient in fp32 or None}) after the backward of its loss.
-
-    The loss is cross-entropy of the logits against ``labels`` when the model has an LM
-    head, else a fixed random projection of its main output (base models, towers).
-    """
-    if output.dim() == 3 and output.shape[:2] == labels.shape and output.shape[-1] >= _vocab(model.config):
-        loss = torch.nn.functional.cross_entropy(output.float().flatten(0, 1), labels.flatten())
-    else:
-        gen = torch.Generator().manual_seed(0)
-        loss = (output.float() * torch.randn(output.shape, generator=gen)).mean()
-    loss.backward()
-    grads = {
-        name: None if p.grad is None else p.grad.detach().float().clone()
-        for name, p in model.named_parameters()
-    }
-    return output.detach().float(), grads
-
-
-def forward_backward(model, inputs: dict, labels: torch.Tensor):
-    """(main output in fp32, {parameter: gradient in fp32 or None}) of one training step."""
-    model.zero_grad(set_to_none=True)
-    return backward(model, main_output(model(**inputs)), labels)
+    return inputs.pop("input_ids", None), labels, inputs

@@ -12,7 +12,8 @@ and the rotary layouts the kernels use.
 
 It counts the torch_npu ops that ran by wrapping the op attributes of the torch_npu module
 for the duration of a run (our kernels look them up at call time), so the count works for
-the real module and the stand-in alike; the wrappers are removed afterwards.
+the real module and the stand-in alike; the wrappers are removed afterwards. Patching is off
+while it runs; afterwards the user's selection is enabled again, exactly (``_control.restore``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import platform
 import sys
 from collections import Counter
 
-from . import _control, _device
-from ._table import columns
-from .models import MODELS
+from .. import _control, _device
+from .._table import columns
+from ..models import MODELS
 
 DTYPES = ("float32", "bfloat16")
 
@@ -88,9 +89,9 @@ def environment(npu, device: str, simulated: bool) -> dict:
 def decisions(npu) -> dict:
     """What this torch_npu gets: its op-plugin branch, the kernels and variants gated (and why), the
     rotary layouts."""
-    from .kernels import KERNELS
-    from .kernels._requirements import op_plugin_branch
-    from .kernels.rope import LAYOUTS
+    from ..kernels import KERNELS
+    from ..kernels._requirements import op_plugin_branch
+    from ..kernels.rope import LAYOUTS
 
     version = getattr(npu, "__version__", None)
     gated = {}
@@ -113,7 +114,7 @@ def sweep_report(npu, dtypes, device: str, models) -> dict:
     whether all passed."""
     import torch
 
-    from .testing.rope_sweep import sweep
+    from ..testing.rope_sweep import sweep
 
     with counting_ops(npu) as calls:
         torch_dtypes = tuple(getattr(torch, d) for d in dtypes)
@@ -137,51 +138,47 @@ def sweep_report(npu, dtypes, device: str, models) -> dict:
 
 
 def run(models, dtypes, device: str, npu, simulated: bool, sweep: bool = True) -> dict:
-    """Verify each model in each dtype, then sweep the rotary functions; leave patching as it was."""
+    """Verify each model in each dtype, then sweep the rotary functions; patching is left off (main()
+    puts the user's selection back)."""
     import torch
 
-    from .testing.parity import check_parity
+    from ..testing.parity import check_parity
 
-    was_enabled = _control.is_enabled()
     chosen = decisions(npu)
     results = []
-    try:
-        for model_type in models:
-            if not present(model_type):
-                results.append({"model": model_type, "status": "not present"})
+    for model_type in models:
+        if not present(model_type):
+            results.append({"model": model_type, "status": "not present"})
+            continue
+        for dtype_name in dtypes:
+            try:
+                with counting_ops(npu) as calls:
+                    # The patcher gates what this torch_npu cannot run: such a model is
+                    # partial (kernel-unsupported), and passes if the rest matches stock.
+                    report = check_parity(model_type, getattr(torch, dtype_name), device=device)
+            except Exception as exc:  # one model's crash is that model's failure, not the run's
+                results.append(_crashed(model_type, dtype_name, exc))
                 continue
-            for dtype_name in dtypes:
-                try:
-                    with counting_ops(npu) as calls:
-                        # The patcher gates what this torch_npu cannot run: such a model is
-                        # partial (kernel-unsupported), and passes if the rest matches stock.
-                        report = check_parity(model_type, getattr(torch, dtype_name), device=device)
-                except Exception as exc:  # one model's crash is that model's failure, not the run's
-                    results.append(_crashed(model_type, dtype_name, exc))
-                    continue
-                results.append(
-                    {
-                        "model": model_type,
-                        "dtype": dtype_name,
-                        "status": "pass" if report.passed else "FAIL",
-                        "state": report.state,
-                        "code": report.code,
-                        "reason": report.reason,
-                        "kernels": list(report.kernels),
-                        "ops_called": dict(sorted(calls.items())),
-                        "logits_error": report.logits_error,
-                        "grad_error": report.grad_error,
-                        "worst_tensor": report.worst_tensor,
-                        "missing_grads": list(report.missing_grads),
-                        "tolerance": report.tolerance,
-                        "stock_seconds": report.stock_seconds,
-                        "patched_seconds": report.patched_seconds,
-                    }
-                )
-        rope_sweep = sweep_report(npu, dtypes, device, models) if sweep else None
-    finally:
-        if was_enabled:
-            _control.enable()
+            results.append(
+                {
+                    "model": model_type,
+                    "dtype": dtype_name,
+                    "status": "pass" if report.passed else "FAIL",
+                    "state": report.state,
+                    "code": report.code,
+                    "reason": report.reason,
+                    "kernels": list(report.kernels),
+                    "ops_called": dict(sorted(calls.items())),
+                    "logits_error": report.logits_error,
+                    "grad_error": report.grad_error,
+                    "worst_tensor": report.worst_tensor,
+                    "missing_grads": list(report.missing_grads),
+                    "tolerance": report.tolerance,
+                    "stock_seconds": report.stock_seconds,
+                    "patched_seconds": report.patched_seconds,
+                }
+            )
+    rope_sweep = sweep_report(npu, dtypes, device, models) if sweep else None
     return {
         "environment": environment(npu, device, simulated),
         "decisions": chosen,
@@ -286,9 +283,7 @@ def _failed(cases: list[dict]) -> list[dict]:
 
 def main(args) -> int:
     """The ``verify`` subcommand (arguments parsed in __main__)."""
-    from ._plugins import discover
-
-    discover()  # installed plugins are verified too
+    _control.discover_plugins()  # installed plugins are verified too
     models = args.models.split(",") if args.models else list(MODELS)
     unknown = [m for m in models if m not in MODELS]
     dtypes = args.dtype.split(",")
@@ -299,7 +294,7 @@ def main(args) -> int:
         )
         return 2
     if args.simulate:
-        from .testing import PROFILES, stand_in
+        from ..testing import PROFILES, stand_in
 
         if args.device != "cpu":
             print("--simulate runs on the CPU stand-in: use --device cpu", file=sys.stderr)
@@ -308,8 +303,7 @@ def main(args) -> int:
         if profile is not None and profile not in PROFILES:
             print(f"unknown stand-in profile {profile!r}; profiles: {', '.join(PROFILES)}", file=sys.stderr)
             return 2
-        with stand_in(profile=profile) as npu:
-            report = run(models, dtypes, "cpu", npu, simulated=True)
+        provider = stand_in(profile=profile)
     elif args.device != "npu":
         print("the NPU kernels run on --device npu; --device cpu needs --simulate", file=sys.stderr)
         return 2
@@ -318,6 +312,12 @@ def main(args) -> int:
         if npu is None:
             print(f"cannot verify: {reason}; try --device cpu --simulate", file=sys.stderr)
             return 2
-        report = run(models, dtypes, args.device, npu, simulated=False)
+        provider = contextlib.nullcontext(npu)
+    selection = _control.selection()
+    try:
+        with provider as npu:
+            report = run(models, dtypes, args.device, npu, simulated=bool(args.simulate))
+    finally:  # after the stand-in is gone: the selection is the user's, on their torch_npu
+        _control.restore(selection)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["passed"] else 1

@@ -1,32 +1,32 @@
-"""``python -m npu_autopatch.kernels --write``: the shipped verdicts (_verdicts.py), by live probes.
+"""``python -m npu_autopatch.kernels --write``: the shipped verdicts (kernels/_verdicts.py), by live probes.
 
-Apart from _fingerprint so that the kernels package never imports the table, the candidates or the
-patcher (which import the kernels).
+A tool, not the mechanism: it reads the model table, the candidates and the patcher's choice of
+targets (which all import the kernels), so it lives outside the kernels package, and nothing in the
+library imports it. It probes live through ``choose_variant(..., live=True)``: the environment
+(``NPU_AUTOPATCH_PROBE``) is the user's, and left alone.
 """
 
 import os
 
-from ._fingerprint import fingerprint, kernels_digest, qualified_name
+from ..kernels._fingerprint import fingerprint, kernels_digest, qualified_name
 
 
-def _table_targets(extra=()):
+def table_targets(extra=()):
     """(where, kernel, stock) for every target of the built-in model table (and of the ``extra``
     models) in this transformers."""
     import importlib
 
     from .. import _resolve
-    from .._patcher import _transformers_has
+    from .._patcher import present_targets
+    from ..kernels import KERNELS
     from ..models import MODELS
-    from . import KERNELS
 
     for model in (*MODELS.values(), *extra):
         try:
             module = importlib.import_module(model.module)
         except ImportError:
             continue
-        for target in model.targets:
-            if target.since is not None and not _transformers_has(target.since):
-                continue
+        for target in present_targets(model.targets):
             found = _resolve.resolve(module, target.paths)
             if found is not None:
                 path, current = found[0], found[3]
@@ -34,13 +34,13 @@ def _table_targets(extra=()):
                 yield f"{model.model_type}: {path}", KERNELS[target.kernel], stock
 
 
-def _candidate_targets():
+def candidate_targets():
     """(where, kernel, stock) for every name-nominated candidate of every modeling module."""
     import importlib
     import warnings
 
-    from .. import _candidates, _resolve
-    from . import KERNELS
+    from .. import _candidates
+    from ..kernels import KERNELS
 
     for names in _candidates.modeling_modules().values():
         for name in names:
@@ -51,9 +51,8 @@ def _candidate_targets():
             except Exception:  # an optional library missing: the scan reports those
                 continue
             for candidate in _candidates.candidates(module):
-                current = _candidates._stock(module, candidate.path)
-                stock = _resolve.stock_function(current) or current
-                for kernel in _candidates._KERNELS_FOR[candidate.kind]:
+                stock = _candidates.stock_code(module, candidate.path)
+                for kernel in _candidates.kernels_for(candidate.kind):
                     yield f"{name}: {candidate.path}", KERNELS[kernel], stock
 
 
@@ -61,32 +60,28 @@ def live_verdicts(targets, refusals=None):
     """{kernel: {fingerprint: variant name or None}} by live probes; raises on a fingerprint with two
     verdicts (the fingerprint would then miss something the probe sees). With ``refusals``, the
     reasons of the refused targets go there, {kernel: {"fingerprint module.qualname": reason}}."""
-    from . import choose_variant
+    from ..kernels import choose_variant
 
     verdicts, where_of = {}, {}
-    os.environ["NPU_AUTOPATCH_PROBE"] = "always"
-    try:
-        for where, kernel, stock in targets:
-            print_ = fingerprint(stock)
-            if print_ is None:
-                continue
-            try:
-                variant, reason = choose_variant(kernel, stock)
-            except Exception:
-                variant = reason = None
-            name = None if variant is None else variant.name
-            if refusals is not None and variant is None and reason is not None:
-                refusals.setdefault(kernel.name, {})[f"{print_} {qualified_name(stock)}"] = reason
-            table = verdicts.setdefault(kernel.name, {})
-            if print_ in table and table[print_] != name:
-                raise RuntimeError(
-                    f"{kernel.name}: fingerprint {print_} has two verdicts: {table[print_]} "
-                    f"({where_of[kernel.name, print_]}) and {name} ({where})"
-                )
-            table[print_] = name
-            where_of[kernel.name, print_] = where
-    finally:
-        os.environ.pop("NPU_AUTOPATCH_PROBE", None)
+    for where, kernel, stock in targets:
+        print_ = fingerprint(stock)
+        if print_ is None:
+            continue
+        try:
+            variant, reason = choose_variant(kernel, stock, live=True)
+        except Exception:
+            variant = reason = None
+        name = None if variant is None else variant.name
+        if refusals is not None and variant is None and reason is not None:
+            refusals.setdefault(kernel.name, {})[f"{print_} {qualified_name(stock)}"] = reason
+        table = verdicts.setdefault(kernel.name, {})
+        if print_ in table and table[print_] != name:
+            raise RuntimeError(
+                f"{kernel.name}: fingerprint {print_} has two verdicts: {table[print_]} "
+                f"({where_of[kernel.name, print_]}) and {name} ({where})"
+            )
+        table[print_] = name
+        where_of[kernel.name, print_] = where
     return verdicts
 
 
@@ -150,15 +145,15 @@ def main(argv=None):
 
     import transformers
 
-    from . import _verdicts
+    from ..kernels import _verdicts
 
     parser = argparse.ArgumentParser(prog="python -m npu_autopatch.kernels")
     parser.add_argument("--write", action="store_true", help="merge the verdicts into _verdicts.py")
     parser.add_argument("--extra", help="a Python file defining a dict of Model: table models too")
     args = parser.parse_args(argv)
     refused = {}
-    found = live_verdicts(_table_targets(extra_models(args.extra) if args.extra else ()), refused)
-    for kernel, table in live_verdicts(_candidate_targets()).items():
+    found = live_verdicts(table_targets(extra_models(args.extra) if args.extra else ()), refused)
+    for kernel, table in live_verdicts(candidate_targets()).items():
         for print_, name in table.items():
             previous = found.setdefault(kernel, {}).setdefault(print_, name)
             if previous != name:
@@ -189,7 +184,7 @@ def main(argv=None):
             if name is None and print_ in merged.get(kernel, {}):
                 there = merged[kernel][print_]
                 raise RuntimeError(f"{kernel}: fingerprint {print_} is refused here, {there} there")
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_verdicts.py")
+    path = os.path.abspath(_verdicts.__file__)
     with open(path + ".tmp", "w") as out:
         out.write(_render(merged, refused, sources))
     os.replace(path + ".tmp", path)

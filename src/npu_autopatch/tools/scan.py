@@ -6,12 +6,13 @@ found from the package directory), the scan imports it, finds the candidate targ
 ``*Experts``/``*SparseMoeBlock``/``*MoE`` classes and their ``moe`` method) and asks the
 built-in kernels' probes whether they reproduce each one (``kernels.choose_variant``: the
 same check the patcher runs before every swap). Then, for each model type of that module,
-it builds the tiny random model (``testing.tiny``) and compares it stock and with the
-confirmed targets patched, on the CPU stand-in for torch_npu: logits and every gradient,
-fp32 and bf16, with the fused ops counted and the targets that really ran counted too.
+it builds the tiny random model and compares it stock and with the confirmed targets patched,
+on the CPU stand-in for torch_npu: logits and every gradient, fp32 and bf16, with the fused ops
+counted and the targets that really ran counted too. The model, its batch, the training step
+and the comparison are ``testing.parity``'s, as in the tests and ``verify``.
 
 It is a command-line tool: it imports every modeling module, which a library must never do
-on the user's behalf, so nothing else in the package imports this module. The modules are
+on the user's behalf, so nothing in the library imports this module. The modules are
 scanned in child processes, a few package directories each, so that one module that crashes
 or hangs costs one batch, and memory stays flat.
 
@@ -30,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from ._candidates import Candidate, candidates, modeling_modules, probe
+from .._candidates import Candidate, candidates, modeling_modules, probe
 
 DTYPES = ("float32", "bfloat16")
 _BATCH_DIRS = 12  # package directories per child process
@@ -60,7 +61,6 @@ class Parity:
     grad_error: float | None = None
     worst_tensor: str = ""
     missing_grads: list[str] = field(default_factory=list)
-    noise_level: list[str] = field(default_factory=list)  # zero gradients compared against the floor
     # bf16 tensors beyond tolerance where patched is as close to the fp32 result as stock is
     rounding: list[str] = field(default_factory=list)
     other_batches: list[bool] = field(default_factory=list)  # bf16 borderline: the other batches
@@ -184,12 +184,14 @@ def _fused(counter) -> dict[str, int]:
 def check_model(model_type: str, module, confirmed: list[Candidate], npu, dtypes=DTYPES) -> ModelScan:
     """Build the tiny model of ``model_type`` and compare it stock and patched (each dtype).
 
-    A tiny model that cannot be built or whose stock training step fails is an error of the
-    model type (not tested), not a parity failure.
+    The model, its batch, the training step and the comparison are ``testing.parity``'s (its
+    OVERRIDES, tolerances and rounding rules), as in the tests and ``verify``. A tiny model that
+    cannot be built or whose stock training step fails is an error of the model type (not
+    tested), not a parity failure.
     """
     import torch
 
-    from .testing import tiny
+    from ..testing import parity as harness
 
     result = ModelScan(model_type, module.__name__)
     result.targets = [f"{c.kernel}:{c.path}" for c in confirmed]
@@ -197,20 +199,20 @@ def check_model(model_type: str, module, confirmed: list[Candidate], npu, dtypes
         begin = time.perf_counter()
         step = "tiny model"
         try:
-            model = tiny.tiny_model(model_type, getattr(torch, dtype_name))
+            model = harness.tiny_model(model_type, getattr(torch, dtype_name))
             result.model_class = type(model).__name__
             if type(model).__module__ != module.__name__:
                 result.error = f"the model class lives in {type(model).__module__}"
                 return result
             step = "tiny inputs"
-            inputs, labels = tiny.model_inputs(model)
+            batch = harness.model_batch(model)
             step = f"stock training step ({dtype_name})"
-            stock = _step(model, inputs, labels)
+            stock = harness.forward_backward(model, batch[0], batch[1], **batch[2])
         except Exception as exc:
             result.error = f"{step}: {type(exc).__name__}: {_short(exc)}"
             result.parity = []
             return result
-        parity, ran = _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dtype_name)
+        parity, ran = _parity(model_type, module, confirmed, model, batch, stock, npu, dtype_name)
         result.ran = result.ran or ran
         if _borderline(parity):
             parity.other_batches = _other_batches(model_type, module, confirmed, model, npu, dtype_name)
@@ -218,23 +220,6 @@ def check_model(model_type: str, module, confirmed: list[Candidate], npu, dtypes
         parity.seconds = round(time.perf_counter() - begin, 3)
         result.parity.append(parity)
     return result
-
-
-# The global RNG seed of every training step: a model that draws random numbers in training
-# (dropout the shrinking missed, DINOv3's rotary jitter) draws the same ones stock and patched,
-# since the kernels draw none.
-_STEP_SEED = 0
-
-
-def _step(model, inputs, labels):
-    """tiny.forward_backward with the RNG seeded, leaving the caller's RNG state as it was."""
-    import torch
-
-    from .testing import tiny
-
-    with torch.random.fork_rng():
-        torch.manual_seed(_STEP_SEED)
-        return tiny.forward_backward(model, inputs, labels)
 
 
 # Batches (input seeds) tried when a bf16 run is beyond tolerance on the first one only.
@@ -260,138 +245,68 @@ def _other_batches(model_type, module, confirmed, model, npu, dtype_name) -> lis
     batch: one token of 16 in layer 1), and that expert's gradient is then far from stock.
     A kernel whose math differs fails on every batch; a tie is an accident of one.
     """
-    from .testing import tiny
+    from ..testing import parity as harness
 
     passed = []
     for seed in _OTHER_SEEDS:
-        inputs, labels = tiny.model_inputs(model, seed)
-        stock = _step(model, inputs, labels)
-        parity, _ran = _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dtype_name)
+        batch = harness.model_batch(model, seed)
+        stock = harness.forward_backward(model, batch[0], batch[1], **batch[2])
+        parity, _ran = _parity(model_type, module, confirmed, model, batch, stock, npu, dtype_name)
         passed.append(parity.passed)
     return passed
 
 
-# A gradient that is zero in exact arithmetic (the key bias of softmax attention) is rounding
-# noise in both runs; relative to its own size the difference is meaningless. A gradient below
-# this fraction of the model's largest one, stock and patched, counts as zero in both.
-NOISE_FLOOR = 1e-6
-
-
-def _parity(model_type, module, confirmed, model, inputs, labels, stock, npu, dtype_name):
-    """(Parity, {target path: [calls, op calls inside]}) of one patched run against ``stock``."""
+def _parity(model_type, module, confirmed, model, batch, stock, npu, dtype_name):
+    """(Parity, {target path: [calls, op calls inside]}) of one patched run against ``stock``:
+    the confirmed targets registered as a model of their own, the step and the comparison
+    ``testing.parity``'s, the fused ops counted in the forward and the backward apart."""
     import torch
 
     import npu_autopatch
 
-    from ._types import Target
-    from .testing import tiny
-    from .testing.parity import TOLERANCE, ParityReport, compare, use_patched_experts
+    from ..testing import parity as harness
 
     key = f"scan:{model_type}"
-    targets = [Target(c.kernel, c.path) for c in confirmed]
+    targets = [npu_autopatch.Target(c.kernel, c.path) for c in confirmed]
     paths = [c.path for c in confirmed]
+    input_ids, labels, inputs = batch
     try:
         npu_autopatch.register(key, targets=targets, module=module.__name__, replace=True)
         npu_autopatch.enable(models=[key])
         record = npu_autopatch.status()[key]
-        use_patched_experts(model, key)
+        harness.use_patched_experts(model, key)
         model.zero_grad(set_to_none=True)
-        with torch.random.fork_rng(), counting_targets(module, paths, npu) as (calls, fused):
-            torch.manual_seed(_STEP_SEED)
+        with counting_targets(module, paths, npu) as (calls, fused):
             before = collections.Counter(npu.calls)
-            output = tiny.main_output(model(**inputs))
+            output = harness.forward(model, input_ids, **inputs)
             middle = collections.Counter(npu.calls)
-            patched = tiny.backward(model, output, labels)
+            patched = harness.backward(model, output, labels)
             after = collections.Counter(npu.calls)
     except Exception as exc:
         return Parity(dtype_name, False, error=f"patched run: {type(exc).__name__}: {_short(exc)}"), {}
     finally:
         npu_autopatch.disable()
         npu_autopatch.unregister(key)
-    tolerance = TOLERANCE[getattr(torch, dtype_name)]
-    report = ParityReport(
-        model_type, dtype_name, record.state, record.reason, record.kernels, tolerance=tolerance
-    )
-    # parity.relative_error cannot take an empty tensor (DINOv3's zero register tokens)
-    stock, patched = _non_empty(stock), _non_empty(patched)
+    report = harness.report_of(record, getattr(torch, dtype_name))
     try:
-        compare(report, stock, patched)
-        over, noise = _over_tolerance(report, stock[1], patched[1])
-        rounding = _closer_to_fp32(model, inputs, labels, over, stock, patched, tolerance) if over else []
+        harness.compare(report, stock, patched)
+        harness.closer_to_fp32(report, model, batch, stock, patched)
     except Exception as exc:  # e.g. a patched gradient of another shape than stock's
         return Parity(dtype_name, False, error=f"comparison: {type(exc).__name__}: {_short(exc)}"), {}
-    over = [name for name in over if name not in rounding]
     parity = Parity(
         dtype_name,
-        record.state == "applied" and not report.missing_grads and not over,
-        state=record.state,
-        reason=record.reason,
+        report.passed,
+        state=report.state,
+        reason=report.reason,
         logits_error=report.logits_error,
         grad_error=report.grad_error,
         worst_tensor=report.worst_tensor,
-        missing_grads=list(report.missing_grads) + [f"over tolerance: {name}" for name in over],
-        noise_level=noise,
-        rounding=rounding,
+        missing_grads=[*report.missing_grads, *(f"over tolerance: {name}" for name in report.over_tolerance)],
+        rounding=list(report.rounding),
         forward_ops=_fused(middle - before),
         backward_ops=_fused(after - middle),
     )
     return parity, {path: [calls[path], fused[path]] for path in paths}
-
-
-def _non_empty(run):
-    """(output, gradients) without the gradients of empty parameters."""
-    output, grads = run
-    return output, {name: g for name, g in grads.items() if g is None or g.numel()}
-
-
-def _closer_to_fp32(model, inputs, labels, over, stock, patched, tolerance) -> list[str]:
-    """The tensors of ``over`` that are beyond tolerance only because stock bf16 rounds more.
-
-    A fused kernel rounds once where the eager code rounds after every op, so in bf16 the
-    patched result can be closer to the exact one than stock is (OLMoE's experts: stock bf16 is
-    3e-1 away from fp32, patched the same distance from stock and close to fp32). Such a tensor
-    is accepted when patched is no further from the fp32 run of the same weights and inputs
-    than stock bf16 is, plus the tolerance.
-    """
-    import copy
-
-    import torch
-
-    from .testing.parity import relative_error
-
-    if next(model.parameters()).dtype != torch.bfloat16:
-        return []
-    reference = copy.deepcopy(model).float()
-    ref_inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
-    exact = _step(reference, ref_inputs, labels)
-    accepted = []
-    for name in over:
-        if name == "logits":
-            got, want, truth = patched[0], stock[0], exact[0]
-        else:
-            param = name.removeprefix("grad of ")
-            got, want, truth = patched[1][param], stock[1][param], exact[1].get(param)
-            if truth is None:
-                continue
-        if relative_error(got, truth) <= relative_error(want, truth) + tolerance:
-            accepted.append(name)
-    return accepted
-
-
-def _over_tolerance(report, stock_grads, patched_grads):
-    """(tensors beyond tolerance, gradients that are zero up to rounding in both runs)."""
-    largest = max((g.abs().max().item() for g in stock_grads.values() if g is not None), default=0.0)
-    floor = NOISE_FLOOR * largest
-    over, noise = [], []
-    for name in report.over_tolerance:
-        param = name.removeprefix("grad of ")
-        expected = stock_grads.get(param) if name.startswith("grad of ") else None
-        got = patched_grads.get(param)
-        if expected is not None and got is not None and max(expected.abs().max(), got.abs().max()) < floor:
-            noise.append(param)
-        else:
-            over.append(name)
-    return over, noise
 
 
 # --- the worker (one child process, a few package directories) ----------------------------------
@@ -402,7 +317,7 @@ def _worker(folders: list[str], dtypes, parity: bool) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from .testing import stand_in
+    from ..testing import stand_in
 
     layout = modeling_modules()
     with stand_in() as npu:
@@ -428,10 +343,11 @@ def _check_type_safely(model_type, scanned, npu, dtypes) -> ModelScan:
 
 def _check_type(model_type, scanned, npu, dtypes) -> ModelScan:
     """Find the model type's modeling module (its model class's) and run its parity."""
-    from .testing import tiny
+    from ..testing import parity as harness
+    from ..testing import tiny
 
     try:
-        config = tiny.tiny_config(model_type)
+        config = harness.tiny_config(model_type)
         trained = tiny.trained_config(config)
         found = tiny.model_class(trained, by_name=trained is not config)
     except Exception as exc:
@@ -495,7 +411,7 @@ def _run_batch(batch, dtypes, parity, python) -> list[dict]:
     directories after the one it was in, which gets an ``error`` line."""
     lines, pending = [], list(batch)
     while pending:
-        command = [python, "-m", "npu_autopatch._scan", "--worker", "--dtype", ",".join(dtypes)]
+        command = [python, "-m", "npu_autopatch.tools.scan", "--worker", "--dtype", ",".join(dtypes)]
         command += ([] if parity else ["--no-parity"]) + pending
         env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_AUTOPATCH")}
         env["TRANSFORMERS_VERBOSITY"] = "error"

@@ -1,4 +1,4 @@
-"""The README's supported-models table cannot drift from the model table."""
+"""The docs cannot drift from the code: the supported-models table, the troubleshooting table, links."""
 
 import importlib.util
 
@@ -11,9 +11,9 @@ from npu_autopatch.models import BUILTIN, MODELS
 from .conftest import ROOT
 
 
-def test_readme_models_table_is_the_generated_one():
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("<!-- models:begin (python -m npu_autopatch models) -->\n")[1]
+def test_models_table_is_the_generated_one():
+    page = (ROOT / "docs" / "models.md").read_text()
+    table = page.split("<!-- models:begin (python -m npu_autopatch models) -->\n")[1]
     assert table.split("\n<!-- models:end -->")[0] == models_markdown()
 
 

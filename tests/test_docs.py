@@ -36,6 +36,7 @@ def test_readme_lists_every_built_in_model_type():
     readme = (ROOT / "README.md").read_text()
     listed = readme.split("<!-- model-types:begin -->\n")[1].split("\n<!-- model-types:end -->")[0]
     assert listed == ", ".join(BUILTIN)
+    assert f"({len(BUILTIN)} model types;" in readme
 
 
 def _section(text, heading):

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from npu_autopatch._failures import is_op_failure
 from npu_autopatch.models import BUILTIN
@@ -41,7 +42,11 @@ with stand_in() as npu:
             torch.manual_seed(0)
             return forward_backward(model, input_ids, labels, **inputs)
 
-        stock = step()
+        try:
+            stock = step()
+        except Exception as exc:  # transformers' own code cannot train it so: nothing to compare
+            results[model_type] = {{"stock_error": f"{{type(exc).__name__}}: {{exc}}"[:300]}}
+            continue
         npu_autopatch.enable(models=[model_type])
         use_patched_experts(model, model_type)
         ops, patched = [], None
@@ -63,6 +68,10 @@ print(json.dumps(results))
 
 MODELS = sorted(m for m in BUILTIN if present(m))
 
+# transformers 4.57's GLM-4V cannot train with checkpointing at all: with the cache off, its text
+# model expands the 3-D mRoPE position ids as 2-D ones. Nothing of ours to compare there.
+STOCK_CANNOT = {"glm4v", "glm4v_moe"} if transformers.__version__.startswith("4.") else set()
+
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_every_table_model_trains_with_checkpointing_as_stock(reentrant):
@@ -73,7 +82,12 @@ def test_every_table_model_trains_with_checkpointing_as_stock(reentrant):
     assert "taken out of" not in result.stderr, result.stderr[-3000:]  # no demotion warning
     results = json.loads(result.stdout.strip().splitlines()[-1])
     assert sorted(results) == MODELS
+    stock_errors = {m: got["stock_error"] for m, got in results.items() if "stock_error" in got}
+    assert set(stock_errors) == STOCK_CANNOT, stock_errors
+    assert all("expand" in error for error in stock_errors.values()), stock_errors
     for model_type, got in results.items():
+        if model_type in STOCK_CANNOT:
+            continue
         assert got["state"] == "applied", (model_type, got["reason"])
         first, second = got["ops"]
         assert first and first == second, (model_type, got["ops"])  # the fused ops ran both steps

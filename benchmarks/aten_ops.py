@@ -15,10 +15,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import npu_autopatch
-from npu_autopatch.testing import _ops, stand_in
+from npu_autopatch.testing import stand_in
+from npu_autopatch.testing.device import ops
 from npu_autopatch.testing.parity import forward_backward, model_batch, tiny_config, tiny_model
 
-STAND_IN_CODE = _ops.__file__
+STAND_IN_CODE = ops.__file__
 
 
 def inside_stand_in():

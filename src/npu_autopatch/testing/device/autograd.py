@@ -20,7 +20,6 @@ Formula = tuple[Callable[..., None], Callable[..., tuple]]  # (setup_context, ba
 
 
 def _rms_norm(grad_op: Callable[..., Any], backward_name: str) -> Formula:
-
     def setup(ctx: Any, inputs: tuple, output: tuple) -> None:
         ctx.save_for_backward(inputs[0], inputs[1], output[1])
         ctx.mark_non_differentiable(output[1])  # derivatives.yaml: output_differentiability [true, false]
@@ -34,7 +33,6 @@ def _rms_norm(grad_op: Callable[..., Any], backward_name: str) -> Formula:
 
 
 def _swiglu(grad_op: Callable[..., Any], backward_name: str) -> Formula:
-
     def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         ctx.save_for_backward(inputs[0])
         ctx.dim = inputs[1]
@@ -47,7 +45,6 @@ def _swiglu(grad_op: Callable[..., Any], backward_name: str) -> Formula:
 
 
 def _rotary_mul(grad_op: Callable[..., Any], backward_name: str) -> Formula:
-
     def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         x, r1, r2, mode = inputs[:4]
         ctx.save_for_backward(x, r1, r2)

@@ -193,8 +193,7 @@ print(json.dumps(reports))
 @FULL
 def test_moe_models_patched_by_the_import_hook_with_every_kernel_match_stock():
     """The path of NPU_AUTOPATCH=1, with all kernels: moe composes with the others. (The default selection
-    has the import-hook path of every model in test_parity_models.py, and moe with the other kernels in
-    test_compile.py and the op-plugin 7.1.0 tests here.)"""
+    has the import-hook path of every model, in test_parity_models.py.)"""
     models = [m for m in sorted(MOE_LAYERS) if present(m)]
     child = run_python(LAZY_SCRIPT.format(models=models))
     assert child.returncode == 0, child.stderr

@@ -17,16 +17,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import npu_autopatch
-from npu_autopatch.testing import _ops, stand_in
-from npu_autopatch.testing.parity import (
-    forward_backward,
-    model_batch,
-    tiny_config,
-    tiny_model,
-    use_patched_experts,
-)
+from npu_autopatch.testing import stand_in
+from npu_autopatch.testing.device import ops
+from npu_autopatch.testing.parity import forward_backward, model_batch, tiny_config, tiny_model
 
-STAND_IN_CODE = _ops.__file__
+STAND_IN_CODE = ops.__file__
 
 
 def inside_stand_in():
@@ -66,7 +61,6 @@ def count(model_type, layers, npu, patched):
     if patched:
         npu_autopatch.enable(models=[model_type])
         assert npu_autopatch.status()[model_type].state == "applied", npu_autopatch.status()[model_type]
-        use_patched_experts(model, model_type)  # 5.x: built before enable(), as a user's model can be
     before = Counter(npu.calls)
     try:
         with CountAten() as mode:

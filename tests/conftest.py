@@ -1,5 +1,8 @@
 """Shared helpers: fresh interpreters for import-time behaviour, and a clean slate per test."""
 
+import functools
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -47,3 +50,55 @@ def patching_off():
     npu_autopatch.disable()
     yield
     npu_autopatch.disable()
+
+
+# The full matrix only (CI: ``pytest -m ""``): what the default selection covers another way (a second
+# dtype, the per-model runs of an edge case whose code is per kernel variant, a second child process).
+FULL = pytest.mark.full
+
+
+def present(model_type):
+    """Whether the running transformers has this table model (without importing its modeling module)."""
+    from npu_autopatch.models import MODELS
+
+    try:
+        return importlib.util.find_spec(MODELS[model_type].module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@functools.cache
+def variant_users():
+    """{(kernel, variant): the table models present whose targets take it, in table order}.
+
+    Read from status() after patching every table model present (all kernels) on the stand-in, as the
+    patcher chooses: the release profiles share the forward math, so the parity tests run every model
+    on the default profile and one model per (kernel, variant) on the others.
+    """
+    from npu_autopatch.kernels import KERNELS
+    from npu_autopatch.models import BUILTIN, MODELS
+    from npu_autopatch.testing import stand_in
+
+    kernel_of = {variant.name: name for name, kernel in KERNELS.items() for variant in kernel.variants}
+    assert len(kernel_of) == sum(len(kernel.variants) for kernel in KERNELS.values()), "variant names clash"
+    models = [model for model in BUILTIN if present(model)]
+    users = {}
+    with stand_in():
+        for model in models:
+            importlib.import_module(MODELS[model].module)
+        npu_autopatch.enable(models=models)
+        try:
+            records = npu_autopatch.status()
+        finally:
+            npu_autopatch.disable()
+    for model in models:
+        for variant in dict.fromkeys(records[model].variants.values()):
+            users.setdefault((kernel_of[variant], variant), []).append(model)
+    return {pair: tuple(found) for pair, found in users.items()}
+
+
+def every_variant(*kernels):
+    """Every (kernel, variant) the kernels define, whether or not this transformers has a user of it."""
+    from npu_autopatch.kernels import KERNELS
+
+    return [(name, variant.name) for name in kernels for variant in KERNELS[name].variants]

@@ -1,15 +1,19 @@
-"""Parity of the norm, gated norm, MLP and rotary kernels on every model beyond the llama family.
+"""Parity of the norm, gated norm, MLP and rotary kernels on every table model.
 
 Each model present in the running transformers is checked stock vs patched (logits and every
-gradient, fp32 and bf16, exact op counts) with the kernels of this file enabled; the moe
-kernel has its own tests (test_parity_moe.py), so here the routed experts run stock. The
-vision-language models get an image, so that their vision towers' kernels run too. Then the
-import-hook path in a fresh interpreter, the target Qwen2.5-VL shares with qwen2 in 4.57, and
-the traps: a target whose math differs is left stock with the reason.
+gradient, fp32 and bf16, exact op counts) with the kernels of this file enabled, on the default
+stand-in profile (the newest torch_npu); the moe kernel has its own tests (test_parity_moe.py),
+so here the routed experts run stock. The vision-language models get an image, so that their
+vision towers' kernels run too; the same run checks the tiny model itself (small, finite, the
+gradient reaches it). The older release profiles share the forward math and differ in schemas
+and backward ops: there, one model per kernel variant. Then the import-hook path in a fresh
+interpreter, the target Qwen2.5-VL shares with qwen2 in 4.57, and the traps: a target whose math
+differs is left stock with the reason.
 """
 
-import importlib.util
+import importlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,7 @@ import transformers
 import npu_autopatch
 from npu_autopatch.kernels import KERNELS, Kernel, choose_variant
 from npu_autopatch.models import BUILTIN, MODELS
-from npu_autopatch.testing import PROFILES, stand_in
+from npu_autopatch.testing import DEFAULT, PROFILES, parity, stand_in, tiny
 from npu_autopatch.testing.parity import (
     TOLERANCE,
     check_parity,
@@ -30,7 +34,7 @@ from npu_autopatch.testing.parity import (
     tiny_model,
 )
 
-from .conftest import run_python
+from .conftest import FULL, every_variant, present, run_python, variant_users
 
 V4 = int(transformers.__version__.split(".")[0]) < 5
 KERNEL_NAMES = ("rms_norm", "gated_rms_norm", "swiglu", "rope")
@@ -47,6 +51,12 @@ def calls(rms_norm=0, swiglu=0, rotary_mul=0):
 # here (test_parity_moe.py); in 4.57 the routed experts of several MoE models are *MLP modules, so
 # swiglu also runs once per expert the batch reaches ("+ N experts").
 EXPECTED = {
+    # --- the llama family -------------------------------------------------------------------
+    # 2 norms per layer + final (qwen3: + q/k norms); q and k per layer; one MLP per layer.
+    "llama": calls(rms_norm=5, swiglu=2, rotary_mul=4),
+    "mistral": calls(rms_norm=5, swiglu=2, rotary_mul=4),
+    "qwen2": calls(rms_norm=5, swiglu=2, rotary_mul=4),
+    "qwen3": calls(rms_norm=9, swiglu=2, rotary_mul=4),
     # --- the first table --------------------------------------------------------------------
     # 2 norms per layer + final (+ q/k norms: 4 per layer); one MLP per dense layer or shared expert;
     # q and k per attention layer; vision towers: 2 norms per block + merger, its MLP, its q and k.
@@ -106,8 +116,8 @@ def backward_count(model_type, op):
     return BACKWARD.get(model_type, {}).get(op, EXPECTED[model_type][op])
 
 
-# Every table model has parity: here, or (the llama family) in test_parity.py.
-assert set(EXPECTED) | {"llama", "mistral", "qwen2", "qwen3"} == set(BUILTIN)
+# Every table model has parity here.
+assert set(EXPECTED) == set(BUILTIN)
 
 # Config variants that take another target: DeepSeek-V3 and GLM-4.7-Flash without interleaved
 # rope use the standard apply_rotary_pos_emb.
@@ -115,14 +125,6 @@ CASES = [(model, {}) for model in EXPECTED] + [
     ("deepseek_v3", {"rope_interleave": False}),
     ("glm4_moe_lite", {"rope_interleave": False}),
 ]
-
-
-def present(model_type):
-    """Whether the running transformers has this model (without importing its modeling module)."""
-    try:
-        return importlib.util.find_spec(MODELS[model_type].module) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def expected_kernels(model_type):
@@ -148,17 +150,85 @@ def case_id(case):
     return model + "".join(f"-{k}={v}" for k, v in overrides.items())
 
 
-@pytest.mark.parametrize("profile", PROFILES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# fp32 holds the kernels to rounding order; bf16 (the same math, rounded) is the full matrix's.
+DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=FULL)], ids=["fp32", "bf16"]
+)
+OLDER = [name for name, profile in PROFILES.items() if profile is not DEFAULT]
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The tiny model check_parity builds (testing.parity's own builder, recorded)."""
+    seen = {}
+
+    def recorded(*args, **kwargs):
+        seen["model"] = tiny_model(*args, **kwargs)
+        return seen["model"]
+
+    monkeypatch.setattr(parity, "tiny_model", recorded)
+    return seen
+
+
+def assert_a_sound_tiny_model(model_type, model):
+    """The tiny model is small and trains: its gradient (the patched run's, equal to stock's) reaches the
+    input embeddings and most parameters, finite. gemma3's SigLIP pooling head is unused and
+    DeepSeek-V3.2's sparse-attention indexer (a top-k selection) gets none, as in stock. A model with a
+    vision tower was fed an image: its placeholder tokens match the tower's output."""
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert model.get_input_embeddings().weight.grad is not None
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    reached = [name for name, grad in grads.items() if grad is not None]
+    assert len(reached) >= 0.5 * len(grads)
+    assert all(torch.isfinite(grads[name]).all() for name in reached)
+    input_ids, _, inputs = model_batch(model)
+    if "pixel_values" in inputs:
+        assert input_ids.shape[1] > tiny.TEXT_TOKENS
+    if model_type.endswith("omni_moe") or model_type == "qwen2_5_omni":  # the thinker, with its towers
+        assert type(model).__name__.endswith("ThinkerForConditionalGeneration")
+        assert {"pixel_values", "input_features"} <= set(inputs)
+
+
+@DTYPES
 @pytest.mark.parametrize("case", CASES, ids=map(case_id, CASES))
-def test_patched_model_matches_stock(case, dtype, profile):
-    """On every stand-in profile: every torch_npu release line the kernels support."""
+def test_patched_model_matches_stock(case, dtype, built, npu_stand_in):
+    """Every model, built tiny from its own config, on the default profile (the newest torch_npu)."""
     model_type, overrides = case
     if not present(model_type):
         pytest.skip(f"{model_type} is not in transformers {transformers.__version__}")
-    with stand_in(profile=profile) as npu:
-        report = check_parity(model_type, dtype, npu=npu, kernels=KERNEL_NAMES, **overrides)
+    report = check_parity(model_type, dtype, npu=npu_stand_in, kernels=KERNEL_NAMES, **overrides)
     assert_parity(report, model_type)
+    assert math.isfinite(report.logits_error)
+    if dtype == torch.float32:
+        assert_a_sound_tiny_model(model_type, built["model"])
+
+
+VARIANTS = every_variant(*KERNEL_NAMES)
+
+
+def representative(pair):
+    """The first table model (in table order) whose targets take this kernel variant; skips when none does,
+    or when an earlier variant of VARIANTS has the same model (its run covers this variant too)."""
+    users = variant_users()
+    if pair not in users:
+        pytest.skip(f"no table model of transformers {transformers.__version__} takes {'/'.join(pair)}")
+    model = users[pair][0]
+    earlier = next(p for p in VARIANTS if users.get(p, (None,))[0] == model)
+    if earlier != pair:
+        pytest.skip(f"{model} is {'/'.join(earlier)}'s model too: that run covers {'/'.join(pair)}")
+    return model
+
+
+@pytest.mark.parametrize("profile", OLDER)
+@DTYPES
+@pytest.mark.parametrize("pair", VARIANTS, ids=["/".join(p) for p in VARIANTS])
+def test_every_kernel_variant_matches_stock_on_the_older_releases(pair, dtype, profile):
+    """Every torch_npu release line the kernels support, one model per kernel variant."""
+    model_type = representative(pair)
+    with stand_in(profile=profile) as npu:
+        report = check_parity(model_type, dtype, npu=npu, kernels=KERNEL_NAMES)
+    assert_parity(report, model_type)
+    assert pair[1] in npu_autopatch.status()[model_type].variants.values()
 
 
 LAZY_SCRIPT = """

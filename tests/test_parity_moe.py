@@ -1,14 +1,14 @@
 """Parity of the moe kernel: every MoE model against stock transformers, logits and all gradients.
 
 Each model present in the running transformers is checked with the moe kernel alone (so
-that the errors and the op calls are its own) in fp32 and bf16, and with every kernel
-through the import hook. Then the routing edge cases: a single token, and an expert
-without rows between others, down to the gradient an empty expert gets. Then the
-fallbacks and the probes: a non-SiLU activation runs stock, a missing op fails the model
-by name, and each variant refuses a lookalike whose math differs.
+that the errors and the op calls are its own) in fp32 and bf16 on the default stand-in profile,
+one model per moe variant on the older release profiles (the op-plugin 7.1.0 one gates the
+kernel), and with every kernel through the import hook. Then the routing edge cases: a single
+token, and an expert without rows between others, down to the gradient an empty expert gets.
+Then the fallbacks and the probes: a non-SiLU activation runs stock, a missing op fails the
+model by name, and each variant refuses a lookalike whose math differs.
 """
 
-import importlib.util
 import json
 
 import pytest
@@ -19,16 +19,16 @@ import transformers
 import npu_autopatch
 from npu_autopatch.kernels import KERNELS, choose_variant
 from npu_autopatch.models import MODELS
-from npu_autopatch.testing import PROFILES, stand_in
+from npu_autopatch.testing import DEFAULT, PROFILES, stand_in
 from npu_autopatch.testing.parity import (
     check_parity,
     forward_backward,
     relative_error,
     tiny_model,
-    use_patched_experts,
 )
 
-from .conftest import run_python
+from .conftest import FULL, every_variant, run_python, variant_users
+from .conftest import present as importable
 
 # Sparse (MoE) layers of each tiny model (testing.tiny keeps one layer of each kind: a dense first
 # layer where the model has one, then a sparse one).
@@ -71,7 +71,10 @@ PER_LAYER = {
 # The ops no other kernel calls (swiglu is shared with the dense MLPs).
 MOE_OWN = tuple(op for op in PER_LAYER if "swiglu" not in op)
 
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# fp32 holds the kernels to rounding order; bf16 (the same math, rounded) is the full matrix's.
+DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=FULL)], ids=["fp32", "bf16"]
+)
 
 
 def expected_calls(model_type, profile="a2-newest"):
@@ -87,12 +90,9 @@ def expected_calls(model_type, profile="a2-newest"):
 def present(model_type):
     """Whether the running transformers has this model and its moe target (without importing the
     modeling module): on 4.x some models' sparse blocks are another computation, left out."""
-    try:
-        found = importlib.util.find_spec(MODELS[model_type].module) is not None
-    except ModuleNotFoundError:
-        return False
     (experts,) = [t for t in MODELS[model_type].targets if t.kernel_name == "moe"]
-    return found and (experts.since is None or release(transformers.__version__) >= release(experts.since))
+    since = experts.since is None or release(transformers.__version__) >= release(experts.since)
+    return importable(model_type) and since
 
 
 def release(version):
@@ -115,12 +115,7 @@ def assert_within_tolerance(report):
     assert not report.over_tolerance, (report.over_tolerance, report.logits_error, report.grad_error)
 
 
-@pytest.mark.parametrize("profile", [p for p in PROFILES if p != "a2-2.6.0"])
-@DTYPES
-@MODEL_TYPES
-def test_moe_kernel_matches_stock(model_type, dtype, profile):
-    with stand_in(profile=profile) as npu:
-        report = check_parity(model_type, dtype, npu=npu, kernels=["moe"])
+def assert_moe_parity(report, model_type, profile):
     assert report.state == "applied", report.reason
     assert report.kernels == ("moe",)
     assert report.ops_called == expected_calls(model_type, profile)  # and nothing else ran
@@ -130,11 +125,46 @@ def test_moe_kernel_matches_stock(model_type, dtype, profile):
 
 @DTYPES
 @MODEL_TYPES
-def test_below_op_plugin_7_2_the_experts_run_stock_and_the_model_still_matches(model_type, dtype):
+def test_moe_kernel_matches_stock(model_type, dtype, npu_stand_in):
+    """Every MoE model on the default profile (the newest torch_npu)."""
+    report = check_parity(model_type, dtype, npu=npu_stand_in, kernels=["moe"])
+    assert_moe_parity(report, model_type, DEFAULT.name)
+
+
+VARIANTS = every_variant("moe")
+# The release lines that have what the kernel needs (op-plugin 7.2.0 on), and the ones gated.
+GATED = "a2-2.6.0"
+OLDER = [name for name, profile in PROFILES.items() if profile is not DEFAULT and name != GATED]
+
+
+def representative(pair):
+    """The first MoE model (in table order) whose experts take this moe variant; skips when none does."""
+    users = [model for model in variant_users().get(pair, ()) if model in MOE_LAYERS and present(model)]
+    if not users:
+        pytest.skip(f"no MoE model of transformers {transformers.__version__} takes {'/'.join(pair)}")
+    return users[0]
+
+
+@pytest.mark.parametrize("profile", OLDER)
+@DTYPES
+@pytest.mark.parametrize("pair", VARIANTS, ids=["/".join(p) for p in VARIANTS])
+def test_every_moe_variant_matches_stock_on_the_older_releases(pair, dtype, profile):
+    """The release lines before the default that run the kernel: one model per moe variant."""
+    model_type = representative(pair)
+    with stand_in(profile=profile) as npu:
+        report = check_parity(model_type, dtype, npu=npu, kernels=["moe"])
+    assert_moe_parity(report, model_type, profile)
+    assert pair[1] in npu_autopatch.status()[model_type].variants.values()
+
+
+@DTYPES
+@pytest.mark.parametrize("pair", VARIANTS, ids=["/".join(p) for p in VARIANTS])
+def test_below_op_plugin_7_2_the_experts_run_stock_and_the_model_still_matches(pair, dtype):
     """torch_npu 2.6.0 (op-plugin 7.1.0): the patcher gates the moe kernel (no backward for the token
     ops, no group_type 2), status() says why, and the model's other kernels hold parity with the
-    experts stock."""
-    with stand_in(profile="a2-2.6.0") as npu:
+    experts stock. One model per moe variant: the gate is the kernel's requirement, not the model's."""
+    model_type = representative(pair)
+    with stand_in(profile=GATED) as npu:
         report = check_parity(model_type, dtype, npu=npu)
     assert report.state == "partial" and report.code == "kernel-unsupported", report.reason
     assert set(report.stock.values()) == {"kernel-unsupported"}
@@ -159,8 +189,10 @@ print(json.dumps(reports))
 """
 
 
+@FULL
 def test_moe_models_patched_by_the_import_hook_with_every_kernel_match_stock():
-    """The path of NPU_AUTOPATCH=1, with all kernels: moe composes with the others."""
+    """The path of NPU_AUTOPATCH=1, with all kernels: moe composes with the others. (The default selection
+    has the import-hook path of every model, in test_parity_models.py.)"""
     models = [m for m in sorted(MOE_LAYERS) if present(m)]
     child = run_python(LAZY_SCRIPT.format(models=models))
     assert child.returncode == 0, child.stderr
@@ -183,7 +215,6 @@ def test_a_single_token_matches_stock(model_type, npu_stand_in):
     input_ids, labels = torch.tensor([[17]]), torch.tensor([[42]])
     stock_logits, stock = forward_backward(model, input_ids, labels)
     npu_autopatch.enable(models=[model_type], kernels=["moe"])
-    use_patched_experts(model, model_type)  # 5.x: built before patching, it kept transformers' default
     try:
         assert npu_autopatch.status()[model_type].state == "applied"
         calls = npu_stand_in.calls["npu_grouped_matmul"]

@@ -119,14 +119,10 @@ def test_unavailable_and_missing() -> None:
 SCHEMAS = [
     "npu_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06)",
     "npu_rms_norm_backward(Tensor dy, Tensor input, Tensor gamma, Tensor rstd)",
-    "npu_gemma_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06)",
-    "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06)",
     "npu_swiglu(Tensor input, int dim=-1)",
     "npu_swiglu_backward(Tensor grad_output, Tensor input, int dim=-1)",
     "npu_rotary_mul(Tensor input, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None)",
     "npu_rotary_mul_backward(Tensor grad, Tensor input, Tensor r1, Tensor r2, str rotary_mode='half')",
-    "npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSND', "
-    "str rotary_mode='half')",
     "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
     "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
     "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
@@ -148,15 +144,6 @@ SCHEMAS = [
     "int? group_type=None, int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, "
     "int? output_dtype=None, int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, "
     "int? per_token_scale_dtype=None)",
-    "npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1)",
-    "npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert)",
-    "npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
-    "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
-    "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, "
-    "int[2] active_expert_range=[], int row_idx_type=0, int? x_dtype=None)",
-    "npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
-    "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, int? drop_pad_mode=0, "
-    "int? k=1)",
     "npu_moe_token_permute(Tensor tokens, Tensor indices, int? num_out_tokens=None, bool padded_mode=False)",
     "npu_moe_token_permute_grad_v2(Tensor grad_permuted_tokens, Tensor sorted_indices, int tokens_size_0, "
     "ScalarType tokens_dtype, int num_topK, bool padded_mode=False)",
@@ -396,44 +383,6 @@ def test_rms_norm_grad_dtypes(npu: types.ModuleType, g_dtype: torch.dtype) -> No
     assert dx.dtype == torch.bfloat16 and dgamma.dtype == torch.float32 and dgamma.shape == (16,)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemma_rms_norm_golden_and_silent_no_grad(npu: types.ModuleType, dtype: torch.dtype) -> None:
-    x, gamma = leaf(2, 3, 16, dtype=dtype), leaf(16, dtype=dtype)
-    y, rstd = npu.npu_gemma_rms_norm(x, gamma)
-    xf = x.detach().float()
-    ref = xf / torch.sqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * (1 + gamma.detach().float())
-    close(y, ref.to(dtype))
-    assert rstd.dtype == torch.float32 and rstd.shape == (2, 3, 1) and y.grad_fn is not None
-    assert_silent_no_grad(lambda: npu.npu_gemma_rms_norm(x, gamma)[0].sum(), x, gamma)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rms_norm_golden(npu: types.ModuleType, dtype: torch.dtype) -> None:
-    x1, x2, gamma = (
-        torch.randn(2, 4, 16).to(dtype),
-        torch.randn(2, 4, 16).to(dtype),
-        torch.randn(16).to(dtype),
-    )
-    out = npu.npu_add_rms_norm(x1, x2, gamma, 1e-5)
-    assert isinstance(out, tuple) and len(out) == 3
-    y, rstd, x = out
-    assert torch.equal(x, x1 + x2) and x.dtype == dtype  # the sum is rounded to the input dtype first
-    y_ref, rstd_ref = ref_rms_norm(x1 + x2, gamma, 1e-5)
-    close(y, y_ref)
-    close(rstd, rstd_ref)
-
-
-def test_add_rms_norm_limits_and_backward_raises(npu: types.ModuleType) -> None:
-    with pytest.raises(RuntimeError, match="gamma dtype"):
-        npu.npu_add_rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(2, 8).bfloat16(), torch.randn(8))
-    with pytest.raises(RuntimeError, match="empty"):
-        npu.npu_add_rms_norm(torch.randn(0, 8), torch.randn(0, 8), torch.randn(8))
-    x1, x2, gamma = leaf(2, 8), leaf(2, 8), leaf(8)
-    y, _, x = npu.npu_add_rms_norm(x1, x2, gamma)
-    with pytest.raises(RuntimeError, match="derivative for npu::npu_add_rms_norm is not implemented"):
-        (y.sum() + x.sum()).backward()
-
-
 # ------------------------------------------------------------------------------------------------------------
 # SwiGLU
 # ------------------------------------------------------------------------------------------------------------
@@ -576,47 +525,6 @@ def test_rotary_mul_grad_limit_applies_only_when_r_needs_grad(npu: types.ModuleT
         npu.npu_rotary_mul(x, r.clone().requires_grad_(), r)
     with pytest.raises(RuntimeError, match=r"cos shape .* and sin shape .* differ"):
         npu.npu_rotary_mul(x, r, torch.randn(1, 1, 1, 8).expand(1, 4, 32, 8))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["BSND", "TND"])
-def test_apply_rotary_pos_emb_in_place(npu: types.ModuleType, dtype: torch.dtype, layout: str) -> None:
-    lead = (2, 3) if layout == "BSND" else (6,)
-    q, k = torch.randn(*lead, 4, 64).to(dtype), torch.randn(*lead, 2, 64).to(dtype)
-    cos, sin = torch.randn(*lead, 1, 64).to(dtype), torch.randn(*lead, 1, 64).to(dtype)
-    want_q, want_k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    out = npu.npu_apply_rotary_pos_emb(q, k, cos, sin, layout)
-    assert isinstance(out, tuple) and out[0] is q and out[1] is k
-    assert torch.equal(q, want_q) and torch.equal(k, want_k)
-
-
-@pytest.mark.parametrize(
-    ("q_shape", "cos_shape", "kwargs", "error"),
-    [
-        ((2, 3, 4, 32), (2, 3, 1, 32), {}, "64 or 128"),
-        ((2, 3, 4, 64), (1, 3, 1, 64), {}, "no broadcasting"),
-        ((2, 3, 4, 64), (2, 3, 1, 64), {"layout": "BNSD"}, "only BSND and TND"),
-        ((2, 3, 4, 64), (2, 3, 1, 64), {"rotary_mode": "interleave"}, "only 'half'"),
-        ((6, 4, 64), (6, 1, 64), {}, "needs 4-D"),  # 3-D is TND only
-    ],
-)
-def test_apply_rotary_pos_emb_limits(npu: types.ModuleType, q_shape, cos_shape, kwargs, error) -> None:
-    q, cos = torch.randn(*q_shape), torch.randn(*cos_shape)
-    with pytest.raises(RuntimeError, match=error):
-        npu.npu_apply_rotary_pos_emb(q, q.clone(), cos, cos.clone(), **kwargs)
-    with pytest.raises(RuntimeError, match="one dtype"):
-        npu.npu_apply_rotary_pos_emb(
-            *(torch.randn(2, 3, 4, 64) for _ in range(3)), torch.randn(2, 3, 1, 64).half()
-        )
-
-
-def test_apply_rotary_pos_emb_accepts_bsh_and_backward_raises(npu: types.ModuleType) -> None:
-    w = leaf(2, 3, 4 * 64)
-    q, k = (w * 1).view(2, 3, 4, 64), (w * 2).view(2, 3, 4, 64)  # views of projections, as in HF
-    cos, sin = torch.randn(2, 3, 1, 64), torch.randn(2, 3, 1, 64)
-    q_out, _ = npu.npu_apply_rotary_pos_emb(q, k, cos, sin, layout="BSH")
-    with pytest.raises(RuntimeError, match="derivative for npu::npu_apply_rotary_pos_emb is not implemented"):
-        q_out.sum().backward()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1071,48 +979,6 @@ def test_grouped_matmul_gives_silently_no_gradient(npu: types.ModuleType) -> Non
 # ------------------------------------------------------------------------------------------------------------
 
 
-def test_gating_top_k_softmax_golden(npu: types.ModuleType) -> None:
-    x = torch.randn(5, 6)
-    x[1] = torch.tensor([1.0, 3.0, 3.0, 0.0, 3.0, -1.0])  # ties go to the lower expert index
-    finished = torch.tensor([False, False, True, False, False])
-    out = npu.npu_moe_gating_top_k_softmax(x, finished, k=3)
-    assert isinstance(out, tuple) and len(out) == 3
-    y, expert_idx, row_idx = out
-    p = torch.softmax(x, -1)
-    for i in range(5):
-        ranked = sorted(range(6), key=lambda e, i=i: (-p[i, e].item(), e))[:3]
-        assert expert_idx[i].tolist() == ([6, 6, 6] if finished[i] else ranked)
-        close(y[i], p[i, ranked])
-        assert row_idx[i].tolist() == [j * 5 + i for j in range(3)]
-    assert expert_idx[1].tolist() == [1, 2, 4]
-    assert (expert_idx.dtype, row_idx.dtype, y.dtype) == (torch.int32, torch.int32, torch.float32)
-    y3, idx3, rows3 = npu.npu_moe_gating_top_k_softmax(torch.randn(2, 3, 8).bfloat16(), k=2)
-    assert y3.shape == idx3.shape == rows3.shape == (2, 3, 2) and y3.dtype == torch.bfloat16
-
-
-def test_gating_top_k_softmax_limits_and_backward_raises(npu: types.ModuleType) -> None:
-    with pytest.raises(RuntimeError):
-        npu.npu_moe_gating_top_k_softmax(torch.randn(4, 3), k=4)
-    with pytest.raises(RuntimeError):
-        npu.npu_moe_gating_top_k_softmax(torch.randn(4, 3), torch.zeros(4, dtype=torch.int32))
-    x = leaf(4, 8)
-    y, _, _ = npu.npu_moe_gating_top_k_softmax(x, k=2)
-    with pytest.raises(
-        RuntimeError, match="derivative for npu::npu_moe_gating_top_k_softmax is not implemented"
-    ):
-        y.sum().backward()
-
-
-def test_compute_expert_tokens(npu: types.ModuleType) -> None:
-    out = npu.npu_moe_compute_expert_tokens(torch.tensor([0, 0, 1, 3, 3, 3], dtype=torch.int32), 5)
-    assert out.dtype == torch.int32 and out.tolist() == [2, 3, 3, 6, 6]
-    for bad in (torch.tensor([1, 0], dtype=torch.int32), torch.tensor([0, 1])):
-        with pytest.raises(RuntimeError):
-            npu.npu_moe_compute_expert_tokens(bad, 2)
-    with pytest.raises(RuntimeError):
-        npu.npu_moe_compute_expert_tokens(torch.tensor([0], dtype=torch.int32), 0)
-
-
 def ref_stable_order(flat: list[int]) -> list[int]:
     return sorted(range(len(flat)), key=lambda f: (flat[f], f))
 
@@ -1157,106 +1023,4 @@ def test_token_permute_unpermute_autograd(npu: types.ModuleType) -> None:
         close(g, w)
     assert (
         npu.calls["npu_moe_token_permute_grad_v2"] == 1 and npu.calls["npu_moe_token_unpermute_grad_v2"] == 1
-    )
-
-
-def test_init_routing_v2_golden(npu: types.ModuleType) -> None:
-    x = torch.randn(4, 3)
-    expert_idx = torch.tensor([[2, 0], [1, 2], [0, 0], [3, 1]], dtype=torch.int32)
-    out = npu.npu_moe_init_routing_v2(
-        x, expert_idx, scale=torch.rand(4), expert_num=4, expert_tokens_num_flag=True
-    )
-    assert isinstance(out, tuple) and len(out) == 4
-    expanded_x, expanded_row_idx, cumsum, expanded_scale = out
-    order = ref_stable_order(expert_idx.flatten().tolist())
-    assert torch.equal(expanded_x, x[[f // 2 for f in order]])
-    assert expanded_row_idx.dtype == torch.int32
-    assert [expanded_row_idx[f].item() for f in order] == list(range(8))
-    assert cumsum.dtype == torch.int64 and cumsum.tolist() == [3, 5, 7, 8]
-    assert expanded_scale.dtype == torch.float32 and expanded_scale.shape == (8,)
-    counts = npu.npu_moe_init_routing_v2(
-        x, expert_idx, expert_num=4, expert_tokens_num_flag=True, expert_tokens_num_type=1
-    )[2]
-    assert counts.tolist() == [3, 2, 2, 1]
-    pairs = npu.npu_moe_init_routing_v2(
-        x, expert_idx, expert_num=6, expert_tokens_num_flag=True, expert_tokens_num_type=2
-    )[2]
-    assert pairs.tolist() == [[0, 3], [1, 2], [2, 2], [3, 1], [0, 0], [0, 0]]
-    _, _, no_counts, _ = npu.npu_moe_init_routing_v2(x, expert_idx)
-    assert no_counts.shape == () and no_counts.dtype == torch.int64
-
-
-def test_init_routing_v2_active_range_and_row_idx_type(npu: types.ModuleType) -> None:
-    x = torch.randn(4, 3)
-    expert_idx = torch.tensor([[2, 0], [1, 2], [0, 0], [3, 1]], dtype=torch.int32)
-    expanded_x, row_idx, counts, _ = npu.npu_moe_init_routing_v2(
-        x, expert_idx, active_expert_range=[1, 3], expert_tokens_num_flag=True, expert_tokens_num_type=1
-    )
-    in_range = [
-        f for f in ref_stable_order(expert_idx.flatten().tolist()) if 1 <= expert_idx.flatten()[f] < 3
-    ]
-    assert expanded_x.shape == (8, 3) and torch.equal(expanded_x[:4], x[[f // 2 for f in in_range]])
-    assert torch.equal(expanded_x[4:], torch.zeros(4, 3))
-    assert counts.tolist() == [2, 2]
-    assert sorted(row_idx.tolist()) == [-1, -1, -1, -1, 0, 1, 2, 3]
-    scatter = npu.npu_moe_init_routing_v2(x, expert_idx, row_idx_type=1)[1]
-    assert scatter.tolist() == ref_stable_order(expert_idx.flatten().tolist())
-    assert npu.npu_moe_init_routing_v2(x, expert_idx, active_num=3)[0].shape == (3, 3)
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [{"drop_pad_mode": 1, "expert_capacity": 2, "expert_num": 4}, {"quant_mode": 0}, {"quant_mode": 1}],
-)
-def test_init_routing_v2_unmodelled_paths_refuse(npu: types.ModuleType, kwargs: dict) -> None:
-    with pytest.raises(NotImplementedError):
-        npu.npu_moe_init_routing_v2(torch.randn(2, 3), torch.zeros(2, 1, dtype=torch.int32), **kwargs)
-
-
-def test_init_routing_v2_gives_silently_no_gradient(npu: types.ModuleType) -> None:
-    x = leaf(4, 3)
-    expert_idx = torch.tensor([[1], [0], [1], [0]], dtype=torch.int32)
-    assert_silent_no_grad(lambda: npu.npu_moe_init_routing_v2(x, expert_idx)[0].sum(), x)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_finalize_routing_round_trip(npu: types.ModuleType, dtype: torch.dtype) -> None:
-    n, k, h, e = 4, 2, 3, 4
-    x, skip = torch.randn(n, h).to(dtype), torch.randn(n, h).to(dtype)
-    expert_idx = torch.tensor([[2, 0], [1, 2], [0, 0], [3, 1]], dtype=torch.int32)
-    scales, bias = torch.rand(n, k), torch.randn(e, h).to(dtype)  # fp32 scales with bf16 rows
-    expanded_x, row_idx, _, _ = npu.npu_moe_init_routing_v2(x, expert_idx)
-    factor = torch.arange(1.0, 1.0 + n * k).unsqueeze(-1)  # a stand-in "expert FFN" per expanded row
-    rows = (expanded_x.float() * factor).to(dtype)
-    out = npu.npu_moe_finalize_routing(rows, skip, None, bias, scales, row_idx, expert_idx, drop_pad_mode=2)
-    want = skip.float().clone()
-    for i in range(n):
-        for j in range(k):
-            r = row_idx[i * k + j].item()
-            want[i] += scales[i, j] * (rows[r].float() + bias[expert_idx[i, j]].float())
-    close(out, want.to(dtype))
-    # Mode 0 reads the same index in column arrangement: idx[j*N + i].
-    column = row_idx.reshape(n, k).T.reshape(-1).contiguous()
-    close(npu.npu_moe_finalize_routing(rows, skip, None, bias, scales, column, expert_idx), out)
-
-
-def test_finalize_routing_without_scales_and_limits(npu: types.ModuleType) -> None:
-    rows = torch.randn(4, 3)
-    idx = torch.tensor([2, -1, 0, 1], dtype=torch.int32)
-    out = npu.npu_moe_finalize_routing(rows, None, None, None, None, idx, None)
-    assert torch.equal(out, torch.stack([rows[2], torch.zeros(3), rows[0], rows[1]]))
-    bias, experts = torch.randn(3, 3), torch.tensor([[0], [1], [2], [0]], dtype=torch.int32)
-    out = npu.npu_moe_finalize_routing(rows, None, None, bias, None, idx, experts)
-    close(
-        out, torch.stack([rows[2] + bias[0], torch.zeros(3), rows[0] + bias[2], rows[1] + bias[0]])
-    )  # -1: no bias
-    with pytest.raises(RuntimeError, match="outside"):
-        npu.npu_moe_finalize_routing(rows, None, None, None, None, idx + 3, None)
-    with pytest.raises(RuntimeError, match="skip2 requires skip1"):
-        npu.npu_moe_finalize_routing(rows, None, torch.randn(4, 3), None, None, idx, None)
-    with pytest.raises(NotImplementedError):
-        npu.npu_moe_finalize_routing(rows, None, None, None, None, idx, None, drop_pad_mode=1)
-    leaf_rows = leaf(4, 3)
-    assert_silent_no_grad(
-        lambda: npu.npu_moe_finalize_routing(leaf_rows, None, None, None, None, idx, None).sum(), leaf_rows
     )

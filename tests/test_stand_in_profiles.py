@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from npu_autopatch.testing import DEFAULT, PROFILES, make_torch_npu
-from npu_autopatch.testing import _ops as rules
+from npu_autopatch.testing.device import ops as rules
 
 
 @pytest.fixture(params=list(PROFILES))
@@ -211,19 +211,6 @@ def test_token_permute_backward_ops_follow_the_release(npu):
     assert npu.calls["npu_moe_token_permute" + suffix] == npu.calls["npu_moe_token_unpermute" + suffix] == 1
 
 
-def test_error_fallback_ops_raise_from_26_1_and_lose_the_gradient_before(npu):
-    x = torch.randn(2, 8, requires_grad=True)
-    y, _, _ = npu.npu_add_rms_norm(x, torch.randn(2, 8), torch.randn(8))
-    if npu.PROFILE.name == "a2-newest":  # AutogradErrorFallback.cpp, op-plugin 26.1.0+
-        with pytest.raises(RuntimeError, match="derivative for npu::npu_add_rms_norm is not implemented"):
-            y.sum().backward()
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            y.sum().backward()
-        assert x.grad is None
-
-
 def test_schemas_follow_the_release():
     newest, v271, v260 = PROFILES["a2-newest"], PROFILES["a2-2.7.1"], PROFILES["a2-2.6.0"]
     assert DEFAULT is newest and newest.torch_npu == "2.14.0"
@@ -238,11 +225,6 @@ def test_schemas_follow_the_release():
         "npu_moe_token_unpermute_grad",
     }
     assert not [op for op in v260.schemas if "token" in op and "grad" in op]
-    # Up to op-plugin 7.3.0 init_routing_v2 defaults to static quantisation (quant_mode=0).
-    x, idx = torch.randn(2, 3), torch.zeros(2, 1, dtype=torch.int32)
-    make_torch_npu().npu_moe_init_routing_v2(x, idx)
-    with pytest.raises(NotImplementedError, match="quant_mode=0"):
-        make_torch_npu(profile="a2-2.7.1").npu_moe_init_routing_v2(x, idx)
 
 
 def test_calls_are_counted_per_live_stand_in_of_a_profile():

@@ -1,19 +1,13 @@
 """The tiny-model builder: any model type, from its own config class, shrunk by what its fields mean.
 
-First the shrinking rules on plain config.json dicts (no model is built), then every model of
-the table builds tiny with no hand-written config and trains (forward and backward). Patched
-against stock on these models: the parity tests (testing.parity builds its models here).
+The shrinking rules on plain config.json dicts (no model is built). That every model of the table
+builds tiny with no hand-written config and trains is checked where the parity tests build those
+very models (test_parity_models.py: assert_a_sound_tiny_model).
 """
 
-import importlib.util
-
 import pytest
-import torch
-import transformers
 
-from npu_autopatch.models import BUILTIN, MODELS
 from npu_autopatch.testing import tiny
-from npu_autopatch.testing.parity import forward_backward, model_batch
 
 
 def shrunk(**fields):
@@ -144,39 +138,3 @@ def test_overrides_replace_fields_of_the_text_model():
 def test_a_size_field_the_builder_does_not_know_is_an_error_not_a_huge_model():
     with pytest.raises(tiny.TinyModelError, match="after shrinking"):
         tiny.tiny_model("llama", vocab_size=2_000_000)  # 128M parameters: refused on the meta device
-
-
-def present(model_type):
-    """Whether this transformers has the model (without importing its modeling module)."""
-    try:
-        return importlib.util.find_spec(MODELS[model_type].module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-TABLE = [m for m in BUILTIN if m in MODELS]
-
-
-@pytest.mark.parametrize("model_type", TABLE)
-def test_every_table_model_builds_tiny_and_trains(model_type):
-    """Issue 11's priority models are table models: each builds tiny from its own config and trains.
-    (Their parity, patched vs stock on these very models, is tests/test_parity_models.py's.)"""
-    if not present(model_type):
-        pytest.skip(f"{model_type} is not in transformers {transformers.__version__}")
-    model = tiny.tiny_model(model_type)
-    assert sum(p.numel() for p in model.parameters()) < 1_000_000
-    input_ids, labels, inputs = model_batch(model)
-    output, grads = forward_backward(model, input_ids, labels, **inputs)
-    assert torch.isfinite(output).all()
-    # The gradient reaches the input embeddings and most parameters: gemma3's SigLIP pooling head is
-    # unused and DeepSeek-V3.2's sparse-attention indexer (a top-k selection) gets none, as in stock.
-    assert model.get_input_embeddings().weight.grad is not None
-    reached = [name for name, grad in grads.items() if grad is not None]
-    assert len(reached) >= 0.5 * len(grads)
-    assert all(torch.isfinite(grads[name]).all() for name in reached)
-    # A model with a vision tower is fed an image: its placeholder tokens match the tower's output.
-    if "pixel_values" in inputs:
-        assert input_ids.shape[1] > tiny.TEXT_TOKENS
-    if model_type.endswith("omni_moe") or model_type == "qwen2_5_omni":  # the thinker, with its towers
-        assert type(model).__name__.endswith("ThinkerForConditionalGeneration")
-        assert {"pixel_values", "input_features"} <= set(inputs)

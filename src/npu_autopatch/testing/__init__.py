@@ -1,12 +1,17 @@
 """A CPU stand-in for the Ascend ``torch_npu`` module, modelling a device, not its documentation.
 
-There is no NPU in CI and installing torch_npu without CANN breaks ``import torch``, so this module is the
-project's only witness of the device. It models one torch_npu release on one Atlas A2 device (a *profile*,
-_profiles.py): the ops that release has, with its schemas, registered as torch.library custom ops with fake
-kernels (as torch_npu's own are, so torch.compile and torch.export treat them alike), the shapes the CANN
-kernels refuse, which ops have a backward and through which op, and ``__version__``. Each rule names its
-source file (_ops.py, _profiles.py). The math of the ops the kernels use is ``kernels._reference``, the
-same the probes run.
+There is no NPU in CI and installing torch_npu without CANN breaks ``import torch``, so this package is the
+project's only witness of the device. Two parts:
+
+- the device model (``testing.device``): one torch_npu release on one Atlas A2 device (a *profile*), the ops
+  that release has with its schemas, the shapes the CANN kernels refuse, which ops have a backward and
+  through which op; each rule names its source file. The math of the ops the kernels use is
+  ``kernels._reference``, the same the probes run. Only the ops the kernels call are modelled, and the
+  ones a coming kernel needs (each marked with its issue);
+- the harness (here): ``make_torch_npu()`` builds a module of the model's ops, registered as torch.library
+  custom ops with fake kernels (as torch_npu's own are, so torch.compile and torch.export treat them alike)
+  that count their calls (``_library.py``); ``stand_in()`` installs one as ``torch_npu``; the pytest
+  fixture ``npu_stand_in`` (``pytest_plugin.py``) does so for one test.
 
 The default profile is the strictest current device: the newest torch_npu on Atlas A2. Older release lines
 are ``make_torch_npu(profile="a2-2.6.0")`` etc. (``PROFILES``).
@@ -24,7 +29,7 @@ import types
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
-from ._profiles import DEFAULT, PROFILES, Profile
+from .device import DEFAULT, PROFILES, Profile
 
 __all__ = ["DEFAULT", "OPS", "PROFILES", "Profile", "make_torch_npu", "stand_in"]
 

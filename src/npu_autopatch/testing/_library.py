@@ -1,4 +1,7 @@
-"""The stand-in's ops as torch.library custom ops, one namespace per profile, as torch_npu registers its own.
+"""The harness's registration of the device model (``testing.device``) as torch.library custom ops, and the
+call counting.
+
+The device model's ops are registered one namespace per profile, as torch_npu registers its own.
 
 Registered ops are opaque to torch.compile and torch.export: dynamo calls them as they are and traces
 their fake (meta) kernels, as it does torch_npu's ``torch.ops.npu.*``, so a compiled patched model
@@ -10,10 +13,9 @@ collide with a real torch_npu.
 Calls are counted inside the CPU kernels, at run time, into the ``calls`` Counter of every live
 stand-in module of the profile: the count is what ran, compiled or not.
 
-Autograd per profile: an op with a backward op gets a registered autograd formula that calls that
-backward op (counted too); an op listed as raising gets a backward that raises, as op-plugin's
-AutogradErrorFallback.cpp; an op without either gets nothing, and torch's own autograd fallback does
-what torch_npu's VariableFallbackKernel.cpp does: warn, and give no gradient.
+Autograd per profile: an op with a backward op gets its formula (device/autograd.py), which calls that
+backward op (counted too); an op without one gets nothing, and torch's own autograd fallback does what
+torch_npu's VariableFallbackKernel.cpp does: warn, and give no gradient.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from typing import Any
 
 import torch
 
-from . import _ops
-from ._profiles import RAISES, Profile
+from .device import attention, autograd, ops
+from .device.profiles import Profile
 
 _REQUIRED = object()
 _lock = threading.Lock()
 _registrations: dict[str, Registration] = {}
+_OP_DEFS: dict[str, ops.OpDef] = {**ops.OP_DEFS, **attention.OP_DEFS}
 
 
 class Registration:
@@ -44,14 +47,14 @@ class Registration:
         self.library = torch.library.Library(self.namespace, "DEF")
         for name, schema in profile.schemas.items():
             self.library.define(schema)
-            definition = _ops.OP_DEFS[name]
+            definition = _OP_DEFS[name]
             arguments = self.op(name).default._schema.arguments
             self.library.impl(name, self._kernel(name, definition.impl, arguments), "CPU")
             torch.library.register_fake(
                 f"{self.namespace}::{name}", self._fake(definition.fake, arguments), lib=self.library
             )
         for name, backward in profile.autograd.items():
-            setup, formula = (_raises if backward == RAISES else _FORMULAS[name])(self, name, backward)
+            setup, formula = autograd.FORMULAS[name](self.op(backward), backward)
             torch.library.register_autograd(
                 f"{self.namespace}::{name}", formula, setup_context=setup, lib=self.library
             )
@@ -67,11 +70,10 @@ class Registration:
             for module in list(modules):
                 module.calls[name] += 1
             # The device computes below autograd: whatever happens here records no graph. Its outputs
-            # are fresh contiguous allocations, as the fake kernels say (the in-place
-            # npu_apply_rotary_pos_emb returns its inputs themselves).
+            # are fresh contiguous allocations, as the fake kernels say.
             with torch.no_grad():
                 result = impl(profile, *values_of(args, kwargs))
-            return result if name == "npu_apply_rotary_pos_emb" else _contiguous(result)
+            return _contiguous(result)
 
         return kernel
 
@@ -122,162 +124,3 @@ def registration(profile: Profile) -> Registration:
         if found is None:
             found = _registrations[profile.name] = Registration(profile)
         return found
-
-
-# --- autograd formulas: (setup_context, backward) per op ------------------------------------------
-
-
-def _raises(reg: Registration, name: str, backward_op: str) -> tuple:
-    message = _ops.not_implemented_message(name)
-
-    def backward(ctx: Any, *grads: Any) -> tuple:
-        raise RuntimeError(message)
-
-    return None, backward
-
-
-def _rms_norm(reg: Registration, name: str, backward_op: str) -> tuple:
-    grad_op = reg.op(backward_op)
-
-    def setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-        ctx.save_for_backward(inputs[0], inputs[1], output[1])
-        ctx.mark_non_differentiable(output[1])  # derivatives.yaml: output_differentiability [true, false]
-
-    def backward(ctx: Any, dy: torch.Tensor, _drstd: Any) -> tuple:
-        x, gamma, rstd = ctx.saved_tensors
-        dx, dgamma = grad_op(dy, x, gamma, rstd)
-        return dx, dgamma.to(gamma.dtype), None  # the kernel's dgamma is fp32; gamma gets its own dtype
-
-    return setup, backward
-
-
-def _swiglu(reg: Registration, name: str, backward_op: str) -> tuple:
-    grad_op = reg.op(backward_op)
-
-    def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.save_for_backward(inputs[0])
-        ctx.dim = inputs[1]
-
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        (x,) = ctx.saved_tensors
-        return grad_op(grad, x, ctx.dim), None
-
-    return setup, backward
-
-
-def _rotary_mul(reg: Registration, name: str, backward_op: str) -> tuple:
-    grad_op = reg.op(backward_op)
-
-    def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        x, r1, r2, mode = inputs[:4]
-        ctx.save_for_backward(x, r1, r2)
-        ctx.mode, ctx.n_inputs = mode, len(inputs)
-        # derivatives.yaml marks rotate non_differentiable while npu_rotary_mul_backward cannot take it:
-        # the gradient through a rotate matrix would be wrong, and the docs say it is not supported.
-        ctx.rotated = len(inputs) > 4 and inputs[4] is not None
-
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if ctx.rotated:
-            raise RuntimeError("npu_rotary_mul: backward is not supported when a rotate matrix is given")
-        x, r1, r2 = ctx.saved_tensors
-        dx, dr1, dr2 = grad_op(grad, x, r1, r2, ctx.mode)
-        return (dx, dr1.to(r1.dtype), dr2.to(r2.dtype), *([None] * (ctx.n_inputs - 3)))
-
-    return setup, backward
-
-
-# npu_fusion_attention's arguments in schema order, and those its grad op takes as keywords.
-_FA_INPUTS = ("query", "key", "value", "head_num", "input_layout", *_ops._FA_OPTION_NAMES)
-_FA_TO_GRAD = {"scale": "scale_value"}
-
-
-def _fusion_attention(reg: Registration, name: str, backward_op: str) -> tuple:
-    grad_op = reg.op(backward_op)
-    grad_arguments = {argument.name for argument in grad_op.default._schema.arguments}
-
-    def setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-        given = dict(zip(_FA_INPUTS, inputs, strict=False))
-        out, softmax_max, softmax_sum, softmax_out, seed, offset, numels = output
-        ctx.save_for_backward(
-            given["query"], given["key"], given["value"], given["pse"], given["atten_mask"],
-            out, softmax_max, softmax_sum, softmax_out,
-        )  # fmt: skip
-        options = {_FA_TO_GRAD.get(k, k): v for k, v in given.items() if k not in ("query", "key", "value")}
-        options.update(seed=seed, offset=offset, numels=numels)
-        ctx.options = {
-            k: v for k, v in options.items() if k in grad_arguments and k not in ("pse", "atten_mask")
-        }
-        ctx.n_inputs = len(inputs)
-
-    def backward(ctx: Any, grad: torch.Tensor, *_unused: Any) -> tuple:
-        q, k, v, pse, mask, out, softmax_max, softmax_sum, softmax_out = ctx.saved_tensors
-        options = dict(ctx.options)
-        head_num, layout = options.pop("head_num"), options.pop("input_layout")
-        grads = grad_op(
-            q, k, v, grad, head_num, layout,
-            pse=pse, atten_mask=mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
-            softmax_in=softmax_out, attention_in=out, **options,
-        )  # fmt: skip
-        dq, dk, dv, dpse = grads[:4]
-        result = [None] * ctx.n_inputs
-        result[0], result[1], result[2], result[5] = dq, dk, dv, dpse
-        return tuple(result)
-
-    return setup, backward
-
-
-def _permute(reg: Registration, name: str, backward_op: str) -> tuple:
-    grad_op = reg.op(backward_op)
-    v2 = backward_op.endswith("_v2")
-
-    def setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-        tokens, indices, _num_out_tokens, padded_mode = inputs
-        ctx.save_for_backward(tokens, indices, output[1])
-        ctx.mark_non_differentiable(output[1])
-        ctx.padded_mode = padded_mode
-
-    def backward(ctx: Any, grad: torch.Tensor, _dsorted: Any) -> tuple:
-        tokens, indices, sorted_indices = ctx.saved_tensors
-        if v2:  # derivatives.yaml (26.1.0, master)
-            topk = 1 if indices.dim() == 1 else indices.shape[-1]
-            dtokens = grad_op(grad, sorted_indices, tokens.shape[0], tokens.dtype, topk, ctx.padded_mode)
-        else:  # derivatives.yaml (7.2.0 to 26.0.0)
-            dtokens = grad_op(tokens, grad, indices, sorted_indices, ctx.padded_mode)
-        return dtokens, None, None, None
-
-    return setup, backward
-
-
-def _unpermute(reg: Registration, name: str, backward_op: str) -> tuple:
-    grad_op = reg.op(backward_op)
-    v2 = backward_op.endswith("_v2")
-
-    def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        permuted, sorted_indices, probs, padded_mode, restore_shape = inputs
-        ctx.save_for_backward(permuted, sorted_indices, probs)
-        ctx.padded_mode, ctx.restore_shape = padded_mode, restore_shape
-
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        permuted, sorted_indices, probs = ctx.saved_tensors
-        if v2:  # derivatives.yaml (master), through _npu_moe_token_unpermute
-            dpermuted, dprobs = grad_op(
-                grad, sorted_indices, permuted.shape[0], permuted.dtype, probs,
-                ctx.padded_mode, ctx.restore_shape, permuted,
-            )  # fmt: skip
-        else:  # derivatives.yaml (7.2.0 to 26.1.0)
-            dpermuted, dprobs = grad_op(
-                permuted, grad, sorted_indices, probs, ctx.padded_mode, ctx.restore_shape
-            )
-        return dpermuted, None, dprobs if probs is not None else None, None, None
-
-    return setup, backward
-
-
-_FORMULAS = {
-    "npu_rms_norm": _rms_norm,
-    "npu_swiglu": _swiglu,
-    "npu_rotary_mul": _rotary_mul,
-    "npu_fusion_attention": _fusion_attention,
-    "npu_moe_token_permute": _permute,
-    "npu_moe_token_unpermute": _unpermute,
-}

@@ -285,8 +285,8 @@ def check_parity(
     before = collections.Counter(calls) if calls is not None else collections.Counter()
     if not lazy:
         stock, stock_seconds = _timed(device, forward_backward, model, input_ids, labels, **inputs)
-        npu_autopatch.enable(models=[model_type], kernels=kernels)  # patches the imported module at once
-        use_patched_experts(model, model_type)
+        # Patches the imported module at once; the model, built before, gets the kernels too.
+        npu_autopatch.enable(models=[model_type], kernels=kernels)
     try:
         record = npu_autopatch.status()[model_type]
         patched, patched_seconds = _timed(device, forward_backward, model, input_ids, labels, **inputs)
@@ -300,15 +300,6 @@ def check_parity(
     )
     compare(report, stock, patched)
     return closer_to_fp32(report, model, (input_ids, labels, inputs), stock, patched)
-
-
-def use_patched_experts(model, model_type):
-    """transformers 5.x: a model built before patching keeps the experts implementation it
-    resolved then; switch it to the patched one, as a user would."""
-    from .._experts import KEY
-
-    if "moe" in npu_autopatch.status()[model_type].kernels and hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation(KEY)
 
 
 def _to(batch, device):

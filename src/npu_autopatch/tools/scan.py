@@ -274,7 +274,6 @@ def _parity(model_type, module, confirmed, model, batch, stock, npu, dtype_name)
         npu_autopatch.register(key, targets=targets, module=module.__name__, replace=True)
         npu_autopatch.enable(models=[key])
         record = npu_autopatch.status()[key]
-        harness.use_patched_experts(model, key)
         model.zero_grad(set_to_none=True)
         with counting_targets(module, paths, npu) as (calls, fused):
             before = collections.Counter(npu.calls)

@@ -4,7 +4,7 @@ A profile is what a torch_npu release gives a program on an Atlas A2 box: which 
 which schema (the op-plugin branch's ``op_plugin_functions.yaml``, or the wheel's registered
 schemas), which have a backward and through which op (``derivatives.yaml``), and the few rules
 that changed between release lines. The rules every line shares (the CANN kernels' shape
-checks) are in _ops.py; each rule names its source file there or here. Paths are in the public
+checks) are in ops.py and attention.py; each rule names its source file there or here. Paths are in the public
 repositories Ascend/op-plugin (one branch per release line), Ascend/pytorch (torch_npu:
 ``COMPATIBILITY.en.md`` pairs each release with its op-plugin branch and CANN) and
 hicann/ops-transformer (the CANN kernels and their host-side tiling).
@@ -20,18 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # torch_npu 2.14 (the wheel's registered schemas, torch_npu_ops.md WHEEL-SO), plus the MoE and
-# attention grad ops of op-plugin master (op_plugin_functions.yaml at 517f2e7d).
+# attention grad ops of op-plugin master (op_plugin_functions.yaml at 517f2e7d). Only the ops a
+# kernel calls, and npu_fusion_attention (+ grad), modelled for the attention kernel (issue 18).
 _NEWEST_SCHEMAS = {
     "npu_rms_norm": "npu_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
     "npu_rms_norm_backward": (
         "npu_rms_norm_backward(Tensor dy, Tensor input, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"
-    ),
-    "npu_gemma_rms_norm": (
-        "npu_gemma_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
-    ),
-    "npu_add_rms_norm": (
-        "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) "
-        "-> (Tensor, Tensor, Tensor)"
     ),
     "npu_swiglu": "npu_swiglu(Tensor input, int dim=-1) -> Tensor",
     "npu_swiglu_backward": "npu_swiglu_backward(Tensor grad_output, Tensor input, int dim=-1) -> Tensor",
@@ -42,10 +36,6 @@ _NEWEST_SCHEMAS = {
     "npu_rotary_mul_backward": (
         "npu_rotary_mul_backward(Tensor grad, Tensor input, Tensor r1, Tensor r2, str rotary_mode='half') "
         "-> (Tensor, Tensor, Tensor)"
-    ),
-    "npu_apply_rotary_pos_emb": (
-        "npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSND', "
-        "str rotary_mode='half') -> (Tensor, Tensor)"
     ),
     "npu_fusion_attention": (
         "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
@@ -75,24 +65,6 @@ _NEWEST_SCHEMAS = {
         "int? output_dtype=None, int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, "
         "int? per_token_scale_dtype=None) -> Tensor[]"
     ),
-    "npu_moe_gating_top_k_softmax": (
-        "npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)"
-    ),
-    "npu_moe_compute_expert_tokens": (
-        "npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) -> Tensor"
-    ),
-    "npu_moe_init_routing_v2": (
-        "npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
-        "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
-        "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, "
-        "int[2] active_expert_range=[], int row_idx_type=0, int? x_dtype=None) "
-        "-> (Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "npu_moe_finalize_routing": (
-        "npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
-        "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
-        "int? drop_pad_mode=0, int? k=1) -> Tensor"
-    ),
     "npu_moe_token_permute": (
         "npu_moe_token_permute(Tensor tokens, Tensor indices, int? num_out_tokens=None, "
         "bool padded_mode=False) -> (Tensor, Tensor)"
@@ -114,16 +86,12 @@ _NEWEST_SCHEMAS = {
 
 # op-plugin 7.2.0's op_plugin_functions.yaml, where it differs from the newest: no ``rotate`` for
 # npu_rotary_mul, ScalarType output_dtype for npu_grouped_matmul, the v1 backward ops of the
-# token permute/unpermute ops, quant_mode=0 as init_routing_v2's default (the pitfall of every
-# release up to 7.3.0), no k for finalize_routing, and fusion attention without sink/dropout_mask.
+# token permute/unpermute ops, and fusion attention without sink/dropout_mask.
 _V72_SCHEMAS = {
     **{name: schema for name, schema in _NEWEST_SCHEMAS.items() if not name.endswith("_grad_v2")},
     "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
     "npu_rms_norm_backward": (
         "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"
-    ),
-    "npu_gemma_rms_norm": (
-        "npu_gemma_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
     ),
     "npu_swiglu": "npu_swiglu(Tensor self, int dim=-1) -> Tensor",
     "npu_swiglu_backward": "npu_swiglu_backward(Tensor grad_output, Tensor self, int dim=-1) -> Tensor",
@@ -131,10 +99,6 @@ _V72_SCHEMAS = {
     "npu_rotary_mul_backward": (
         "npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') "
         "-> (Tensor, Tensor, Tensor)"
-    ),
-    "npu_apply_rotary_pos_emb": (
-        "npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSH', "
-        "str rotary_mode='half') -> (Tensor, Tensor)"
     ),
     "npu_fusion_attention": (
         "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
@@ -162,17 +126,6 @@ _V72_SCHEMAS = {
         "int? group_type=None, int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, "
         "ScalarType? output_dtype=None) -> Tensor[]"
     ),
-    "npu_moe_init_routing_v2": (
-        "npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
-        "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
-        "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=0, "
-        "int[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "npu_moe_finalize_routing": (
-        "npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
-        "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
-        "int? drop_pad_mode=0) -> Tensor"
-    ),
     "npu_moe_token_permute_grad": (
         "npu_moe_token_permute_grad(Tensor tokens, Tensor grad_permuted_tokens, Tensor indices, "
         "Tensor sorted_indices, bool padded_mode=False) -> Tensor"
@@ -184,14 +137,10 @@ _V72_SCHEMAS = {
     ),
 }
 
-# op-plugin 7.1.0: the token permute/unpermute ops exist without any backward op, and
-# npu_apply_rotary_pos_emb has no rotary_mode; fusion attention has no softmax_layout.
+# op-plugin 7.1.0: the token permute/unpermute ops exist without any backward op; fusion attention
+# has no softmax_layout.
 _V71_SCHEMAS = {
     **{name: schema for name, schema in _V72_SCHEMAS.items() if not name.endswith("_grad")},
-    "npu_apply_rotary_pos_emb": (
-        "npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSH') "
-        "-> (Tensor, Tensor)"
-    ),
     "npu_fusion_attention": (
         "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
         "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
@@ -213,9 +162,9 @@ _V71_SCHEMAS = {
 # How an op behaves under autograd (derivatives.yaml of the branch; torch_npu's
 # VariableFallbackKernel.cpp for ops without an entry):
 #   "<op name>": a real backward through that backward op;
-#   RAISES: op-plugin's AutogradErrorFallback.cpp (from 26.1.0): backward raises;
-#   None (absent from the mapping): the generic fallback, warn and give NO gradient.
-RAISES = "raises"
+#   absent from the mapping: the generic fallback, warn and give NO gradient.
+# (op-plugin's AutogradErrorFallback.cpp, whose backward raises, covers only ops no kernel calls:
+# npu_add_rms_norm, npu_apply_rotary_pos_emb, npu_moe_gating_top_k_softmax. Not modelled.)
 
 _NEWEST_AUTOGRAD = {
     "npu_rms_norm": "npu_rms_norm_backward",
@@ -224,9 +173,6 @@ _NEWEST_AUTOGRAD = {
     "npu_fusion_attention": "npu_fusion_attention_grad",
     "npu_moe_token_permute": "npu_moe_token_permute_grad_v2",
     "npu_moe_token_unpermute": "npu_moe_token_unpermute_grad_v2",
-    "npu_add_rms_norm": RAISES,
-    "npu_apply_rotary_pos_emb": RAISES,
-    "npu_moe_gating_top_k_softmax": RAISES,
 }
 
 _V72_AUTOGRAD = {

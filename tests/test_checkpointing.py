@@ -68,17 +68,26 @@ MODELS = sorted(m for m in BUILTIN if present(m))
 STOCK_CANNOT = {"glm4v", "glm4v_moe"} if transformers.__version__.startswith("4.") else set()
 
 
+# Two of the models that crashed, their layers ending in a replacement (the routed experts, a
+# closing norm): the default selection runs them; CI's full matrix runs every table model.
+ENDING_IN_OURS = [m for m in ("glm4", "qwen3_moe") if m in MODELS]
+
+
+@pytest.mark.parametrize(
+    "models",
+    [pytest.param(ENDING_IN_OURS, id="crashed"), pytest.param(MODELS, id="table", marks=pytest.mark.full)],
+)
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_every_table_model_trains_with_checkpointing_as_stock(reentrant):
+def test_every_table_model_trains_with_checkpointing_as_stock(reentrant, models):
     result = run_python(
-        CHILD.format(reentrant=reentrant, models=MODELS), timeout=900, PYTHONPATH=str(STAND_IN_SITE)
+        CHILD.format(reentrant=reentrant, models=models), timeout=900, PYTHONPATH=str(STAND_IN_SITE)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "taken out of" not in result.stderr, result.stderr[-3000:]  # no demotion warning
     results = json.loads(result.stdout.strip().splitlines()[-1])
-    assert sorted(results) == MODELS
+    assert sorted(results) == sorted(models)
     stock_errors = {m: got["stock_error"] for m, got in results.items() if "stock_error" in got}
-    assert set(stock_errors) == STOCK_CANNOT, stock_errors
+    assert set(stock_errors) == STOCK_CANNOT & set(models), stock_errors
     assert all("expand" in error for error in stock_errors.values()), stock_errors
     for model_type, got in results.items():
         if model_type in STOCK_CANNOT:

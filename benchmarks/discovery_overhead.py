@@ -1,4 +1,4 @@
-"""What opt-in discovery costs, in fresh interpreters (the README's "Performance (measured)").
+"""What opt-in discovery costs, in fresh interpreters (docs/performance.md).
 
 - arming (when transformers' body starts): the hooks of the table, plus with discovery on
   the directory listing of transformers/models (once per process) and one wrapt hook per

@@ -5,7 +5,7 @@ check   enable patching, import every supported modeling module, print the same 
         exit status 1 if any model failed. ``--simulate`` first installs the CPU stand-in
         for torch_npu (npu_autopatch.testing), so it runs on any machine.
 verify  stock vs patched parity on tiny random models, per model (see tools/verify.py).
-models  the supported models, kernels and targets as a markdown table (the README's).
+models  the supported models, kernels and targets as a markdown table (docs/models.md's).
 scan    every modeling module of the installed transformers: which code the kernels
         reproduce, and parity of each model type's tiny model (see tools/scan.py).
 report  the tiny model of one model type, built on the CPU stand-in with patching enabled
@@ -102,7 +102,7 @@ def _release(text: str) -> tuple[int, ...]:
 
 
 def models_markdown() -> str:
-    """The supported-models table of the README, generated from the model table."""
+    """The supported-models table of docs/models.md, generated from the model table."""
     lines = [
         "| model type | kernels | targets (`a` / `b`: whichever the installed version has) | transformers |",
         "|---|---|---|---|",

@@ -9,7 +9,7 @@ like a target are nominated (_candidates) and probed; the accepted ones become t
 a Model that goes through the table models' transaction (_patcher.apply): requirements, probes
 again, commit, status(), disable(), strict mode.
 
-Decisions (the README's "Discovery (opt-in)" says the same):
+Decisions (docs/design.md's "Discovery (opt-in)" says the same):
 
 - Model type: the package directory (``exaone4``); a directory's other modeling modules get
   ``<directory>.<rest of the file name>`` (``esm.esmfold`` for ``esm/modeling_esmfold.py``).

@@ -479,7 +479,7 @@ def counts(result: ScanResult) -> dict[str, int]:
 
 
 def summary(result: ScanResult) -> str:
-    """The one line the README quotes."""
+    """The one line docs/models.md quotes."""
     c = counts(result)
     return (
         f"transformers {result.transformers}: {c['modules']} modeling modules, "

@@ -12,7 +12,7 @@ hicann/ops-transformer (the CANN kernels and their host-side tiling).
 Chip: every profile is an Atlas A2 training device (Ascend 910B, the aclnn path of
 ``RotaryMulKernelNpuOpApi.cpp``), taken with 48 vector cores: the block rule of the rotary
 kernel refuses more shapes the more cores there are, so this is the strictest A2 part. Atlas
-training series (910A), 310P and Ascend 950 are not modelled (README: unknowns).
+training series (910A), 310P and Ascend 950 are not modelled (docs/device-rules.md: unknowns).
 """
 
 from __future__ import annotations

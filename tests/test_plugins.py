@@ -12,7 +12,7 @@ from npu_autopatch import Kernel, Model, Target, Variant, models
 
 from .conftest import STAND_IN_SITE, run_python
 
-# A model type outside the built-in table (its rotary form is one no rope variant reproduces).
+# A model type outside the built-in table (its norm and MLP: enough for the mechanism tested here).
 HELIUM = (
     Target("rms_norm", "HeliumRMSNorm.forward"),
     Target("swiglu", "HeliumMLP.forward"),

@@ -1,7 +1,7 @@
 """NPU kernels for Helium: the built-in kernels, declared for Helium's classes.
 
-Helium's rotary function rotates interleaved pairs with cos/sin of half the head, a form none of
-the built-in rope variants reproduces (their probes refuse it), so it stays stock: no rope target.
+Helium's rotary function rotates interleaved pairs at the full head width: the rope kernel's
+interleave variant reproduces it (its probe checks that on the function's own shapes).
 """
 
 from npu_autopatch import Model, Target
@@ -10,4 +10,5 @@ HELIUM = Model(
     "helium",
     Target("rms_norm", "HeliumRMSNorm.forward"),
     Target("swiglu", "HeliumMLP.forward"),
+    Target("rope", "apply_rotary_pos_emb"),
 )

@@ -18,9 +18,10 @@ import torch
 
 __all__ = ["linear_cross_entropy", "linear_logprobs"]
 
-# Elements of one chunk of logits: 2**25 fp32 values are 128 MiB (220 rows of a 151,936 vocab),
-# small next to the weight's gradient and large enough to keep the matmuls efficient.
-_CHUNK_ELEMENTS = 2**25
+# Elements of one chunk of logits: 2**24 fp32 values are 64 MiB (110 rows of a 151,936 vocab),
+# small next to the weight's gradient (a few such temporaries are alive at once) and still
+# large enough to keep the matmuls efficient.
+_CHUNK_ELEMENTS = 2**24
 
 
 def _rows(chunk_size: int | None, vocab: int) -> int:
@@ -61,7 +62,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 continue
             grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             grad[torch.arange(target.numel(), device=grad.device), target] -= 1
-            grad = (grad * scale).to(hidden.dtype)
+            grad = grad.mul_(scale).to(hidden.dtype)
             if want_hidden:
                 grad_hidden.index_copy_(0, at, grad @ weight)
             if want_weight:
@@ -102,7 +103,7 @@ def linear_cross_entropy(
     divided by ``num_items_in_batch`` when given (gradient accumulation), else the mean over the
     valid rows (NaN when there is none, as stock), or the plain sum with ``reduction="sum"``.
     ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]`` (same dtype), ``labels`` ``hidden.shape[:-1]``.
-    ``chunk_size``: rows of logits per chunk; by default as many as make 2**25 logits.
+    ``chunk_size``: rows of logits per chunk; by default as many as make 2**24 logits.
     Gradients flow to ``hidden`` and ``weight`` (computed during this call, applied in backward).
     """
     _check(hidden, weight)

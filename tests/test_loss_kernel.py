@@ -155,6 +155,17 @@ def test_a_user_loss_function_takes_the_stock_forward(npu_stand_in):
     torch.testing.assert_close(out.loss, out.logits.float().mean())
 
 
+def test_a_head_with_hooks_of_its_own_takes_the_stock_forward_once(npu_stand_in):
+    """FSDP2 sharding the head alone, DeepSpeed, accelerate offload: their hooks see the real call."""
+    model = tiny_model("qwen3")
+    ids, labels = _batch(model)
+    npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
+    seen = []
+    model.lm_head.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].shape))
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None and seen == [(*ids.shape, model.config.hidden_size)]
+
+
 class _Tokens(Dataset):
     def __init__(self, vocab, rows=8, length=12):
         generator = torch.Generator().manual_seed(0)

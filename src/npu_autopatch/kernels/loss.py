@@ -43,13 +43,14 @@ from ._probe import _set, agree_strict, first_disagreement, generator, linear, p
 _LINEAR_FORWARD = torch.nn.Linear.forward
 
 
-def _plain_head(head, hidden_dtype):
+def _plain_head(head):
+    """A bias-free nn.Linear whose forward nobody wraps: its output is ``hidden @ weight.T``."""
     return (
-        type(head).forward is _LINEAR_FORWARD
+        isinstance(head, torch.nn.Linear)
+        and type(head).forward is _LINEAR_FORWARD
         and head.bias is None
         and not head._forward_pre_hooks
         and not head._forward_hooks
-        and head.weight.dtype == hidden_dtype
     )
 
 
@@ -74,7 +75,7 @@ def _build(stock, npu, on_error):
             or not return_dict
             or not self.training
             or not torch.is_grad_enabled()
-            or not isinstance(head, torch.nn.Linear)
+            or not _plain_head(head)
             or self.loss_function is not causal_lm_loss
         ):
             return stock(self, *args, **kwargs)
@@ -94,7 +95,7 @@ def _build(stock, npu, on_error):
             handle.remove()
         hidden = captured[0] if len(captured) == 1 else None
         loss = None
-        usable = hidden is not None and _plain_head(head, hidden.dtype)
+        usable = hidden is not None and hidden.dtype == head.weight.dtype
         if usable and not torch.is_autocast_enabled(hidden.device.type):
             try:
                 loss = _chunked_loss(hidden, head.weight, labels, kwargs)

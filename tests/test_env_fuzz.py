@@ -10,8 +10,7 @@ import json
 import subprocess
 import sys
 
-from npu_autopatch._config import FALSE_WORDS, TRUE_WORDS
-from npu_autopatch._types import KERNEL_NAMES
+from npu_autopatch._config import FALSE_WORDS, SELECTABLE_KERNELS, TRUE_WORDS
 from npu_autopatch.models import MODELS
 
 from .conftest import ROOT, STAND_IN_SITE, child_env
@@ -19,9 +18,9 @@ from .conftest import ROOT, STAND_IN_SITE, child_env
 LISTS = {
     "NPU_AUTOPATCH_MODELS": ("models", tuple(MODELS)),
     "NPU_AUTOPATCH_EXCLUDE": ("models", tuple(MODELS)),
-    "NPU_AUTOPATCH_KERNELS": ("kernels", KERNEL_NAMES),
+    "NPU_AUTOPATCH_KERNELS": ("kernels", SELECTABLE_KERNELS),
 }
-FLAGS = ("NPU_AUTOPATCH_STRICT", "NPU_AUTOPATCH_LOG_ALL_RANKS")
+FLAGS = ("NPU_AUTOPATCH_STRICT", "NPU_AUTOPATCH_LOG_ALL_RANKS", "NPU_AUTOPATCH_LOSS")
 
 
 def corpus(marker):
@@ -100,8 +99,9 @@ def expected_warnings(env):
     for variable, (what, valid) in LISTS.items():
         if any(n not in valid for n in names(env[variable])):
             warnings.append(f"unknown {what} in {variable}: ")
-    if env["NPU_AUTOPATCH_STRICT"].strip().lower() not in TRUE_WORDS + FALSE_WORDS:
-        warnings.append("NPU_AUTOPATCH_STRICT=")
+    for flag in ("NPU_AUTOPATCH_STRICT", "NPU_AUTOPATCH_LOSS"):  # in the order they are read
+        if env[flag].strip().lower() not in TRUE_WORDS + FALSE_WORDS:
+            warnings.append(f"{flag}=")
     return warnings
 
 
@@ -127,7 +127,7 @@ def test_every_variable_with_every_value_starts_cleanly(tmp_path):
                 if "unknown models" in fragment:
                     assert line.endswith(f"valid models: {', '.join(MODELS)}"), line
                 if "unknown kernels" in fragment:
-                    assert line.endswith(f"valid kernels: {', '.join(KERNEL_NAMES)}"), line
+                    assert line.endswith(f"valid kernels: {', '.join(SELECTABLE_KERNELS)}"), line
             assert state["enabled"] is (env["NPU_AUTOPATCH"].strip().lower() in TRUE_WORDS)
             assert set(state["modules"]) <= allowed, (env, sorted(set(state["modules"]) - allowed))
     assert not marker.exists()
@@ -145,6 +145,7 @@ def test_invalid_utf8_bytes_in_every_variable_start_cleanly():
         " ignoring unknown models in NPU_AUTOPATCH_EXCLUDE",
         " ignoring unknown kernels in NPU_AUTOPATCH_KERNELS",
         " ignoring NPU_AUTOPATCH_STRICT='\\udcff\\udcfe, qwen3,\\udc80'",
+        " ignoring NPU_AUTOPATCH_LOSS='\\udcff\\udcfe, qwen3,\\udc80'",
     ], lines
 
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from npu_autopatch._types import KERNEL_NAMES
+from npu_autopatch._config import SELECTABLE_KERNELS as KERNELS
 from npu_autopatch.models import MODELS
 
 from .conftest import ROOT, STAND_IN_SITE, run_python
@@ -65,7 +65,7 @@ def test_unknown_model_and_kernel_names_warn_with_the_valid_ones():
     lines = stderr.splitlines()
     assert len(lines) == 2
     assert f"unknown models in NPU_AUTOPATCH_MODELS: 'bogus'; valid models: {', '.join(MODELS)}" in lines[0]
-    assert "unknown kernels in NPU_AUTOPATCH_KERNELS" in lines[1] and ", ".join(KERNEL_NAMES) in lines[1]
+    assert "unknown kernels in NPU_AUTOPATCH_KERNELS" in lines[1] and ", ".join(KERNELS) in lines[1]
 
 
 def test_a_pth_line_run_twice_boots_once():

@@ -8,7 +8,7 @@ Bad values passed to enable() raise ValueError, because that is a bug in the cal
 import os
 
 from ._state import STATE
-from ._types import KERNEL_NAMES
+from ._types import KERNEL_NAMES, OPT_IN_KERNELS
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -20,6 +20,10 @@ ENV_KERNELS = "NPU_AUTOPATCH_KERNELS"
 ENV_STRICT = "NPU_AUTOPATCH_STRICT"
 ENV_LOG_ALL_RANKS = "NPU_AUTOPATCH_LOG_ALL_RANKS"
 ENV_DISCOVER = "NPU_AUTOPATCH_DISCOVER"
+ENV_LOSS = "NPU_AUTOPATCH_LOSS"
+
+# The kernels ``kernels=`` / NPU_AUTOPATCH_KERNELS select among; the opt-in ones have their own switch.
+SELECTABLE_KERNELS = tuple(k for k in KERNEL_NAMES if k not in OPT_IN_KERNELS)
 
 # Long or hostile values are echoed back shortened, never evaluated; a long list of unknown
 # names is echoed in part, so that the warning stays one readable line.
@@ -89,21 +93,28 @@ def _arg_names(value, valid, what, argname):
 
 
 class Config:
-    """The resolved selection: which models and kernels, strict or not, forced or not, and
-    whether modeling modules outside the registry are discovered."""
+    """The resolved selection: which models and kernels, strict or not, forced or not, whether
+    modeling modules outside the registry are discovered, and whether the loss kernel is on."""
 
-    __slots__ = ("discover", "exclude", "force", "kernels", "models", "strict")
+    __slots__ = ("discover", "exclude", "force", "kernels", "loss", "models", "strict")
 
-    def __init__(self, models, exclude, kernels, strict, force, discover=False):
+    def __init__(self, models, exclude, kernels, strict, force, discover=False, loss=False):
         self.models = models  # frozenset, or None for every supported model
         self.exclude = exclude  # frozenset
         self.kernels = kernels  # frozenset, or None for every kernel
         self.strict = strict
         self.force = force
         self.discover = discover
+        self.loss = loss
 
     def _key(self):
-        return (self.models, self.exclude, self.kernels, self.strict, self.force, self.discover)
+        return (self.models, self.exclude, self.kernels, self.strict, self.force, self.discover, self.loss)
+
+    def selects(self, kernel_name):
+        """Whether targets of this kernel are patched: an opt-in kernel only with its switch on."""
+        if kernel_name in OPT_IN_KERNELS:
+            return self.loss
+        return self.kernels is None or kernel_name in self.kernels
 
     def __eq__(self, other):
         return isinstance(other, Config) and self._key() == other._key()
@@ -129,10 +140,12 @@ class Config:
         def show(names):
             return "all" if names is None else ",".join(sorted(names)) or "none"
 
-        discover = ", discover=True" if self.discover else ""  # off: the repr users already know
+        # Off: the repr users already know.
+        discover = ", discover=True" if self.discover else ""
+        loss = ", loss=True" if self.loss else ""
         return (
             f"Config(models={show(self.models)}, exclude={show(self.exclude)}, "
-            f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force}{discover})"
+            f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force}{discover}{loss})"
         )
 
 
@@ -151,11 +164,14 @@ def discover_wanted(discover, warn, environ=None):
     return bool(discover) if discover is not None else env_flag(ENV_DISCOVER, warn, environ)
 
 
-def resolve(models, exclude, kernels, strict, force, warn, valid_models, environ=None, discover=False):
+def resolve(
+    models, exclude, kernels, strict, force, warn, valid_models, environ=None, discover=False, loss=None
+):
     """Arguments override the environment; the environment overrides the defaults.
 
     ``discover``: the already resolved discover_wanted(); ``valid_models`` then includes the
     installed modeling modules' names that the caller found (see _discover.installed).
+    ``loss``: enable(loss=...), else NPU_AUTOPATCH_LOSS (off when unset).
     """
     environ = os.environ if environ is None else environ
     valid_models = tuple(valid_models)
@@ -165,9 +181,11 @@ def resolve(models, exclude, kernels, strict, force, warn, valid_models, environ
     exclude_set = _arg_names(exclude, valid_models, "models", "exclude")
     if exclude_set is None:
         exclude_set = _env_names(environ, ENV_EXCLUDE, valid_models, "models", warn) or frozenset()
-    kernel_set = _arg_names(kernels, KERNEL_NAMES, "kernels", "kernels")
+    kernel_set = _arg_names(kernels, SELECTABLE_KERNELS, "kernels", "kernels")
     if kernel_set is None:
-        kernel_set = _env_names(environ, ENV_KERNELS, KERNEL_NAMES, "kernels", warn)
+        kernel_set = _env_names(environ, ENV_KERNELS, SELECTABLE_KERNELS, "kernels", warn)
     if strict is None:
         strict = env_flag(ENV_STRICT, warn, environ)
-    return Config(model_set, exclude_set, kernel_set, bool(strict), bool(force), discover)
+    if loss is None:
+        loss = env_flag(ENV_LOSS, warn, environ)
+    return Config(model_set, exclude_set, kernel_set, bool(strict), bool(force), discover, bool(loss))

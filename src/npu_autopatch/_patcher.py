@@ -293,7 +293,7 @@ def _plan(model, module, config, generation):
         targets = model.targets = _load_plugin(model)
     steps, placed, stock = [], [], {}
     targets = present_targets(targets)
-    selected = [t for t in targets if config.kernels is None or t.kernel_name in config.kernels]
+    selected = [t for t in targets if config.selects(t.kernel_name)]
     if not selected:
         raise _Skip("no-kernel-selected", "none of its kernels is selected")
     for target in selected:

@@ -35,6 +35,7 @@ from . import _candidates, _control, _experts, _resolve
 from ._records import PatchRecord, ReasonCode, State
 from ._state import STATE, locked
 from ._table import columns
+from ._types import OPT_IN_KERNELS
 
 OURS, STOCK, FOREIGN = "ours", "stock", "foreign"
 # Modules whose classes are library code, not the user's own (whose rotary functions are listed too).
@@ -307,8 +308,15 @@ def _reason_for(where, module, records):
         target = _target_at(STATE.models.get(rec.model), module, where)
         if target is None:
             return None, f"{rec.model} is {rec.state.value}, but this is not one of its targets"
-        kernels = STATE.config.kernels if STATE.config is not None else None
-        if kernels is not None and target.kernel_name not in kernels:
+        config = STATE.config
+        opt_in = target.kernel_name in OPT_IN_KERNELS
+        if config is not None and opt_in and not config.selects(target.kernel_name):
+            return ReasonCode.NO_KERNEL_SELECTED, (
+                f"the {target.kernel_name} kernel is opt-in: enable({target.kernel_name}=True) or "
+                f"NPU_AUTOPATCH_{target.kernel_name.upper()}=1"
+            )
+        kernels = config.kernels if config is not None else None
+        if kernels is not None and not config.selects(target.kernel_name):
             return ReasonCode.NO_KERNEL_SELECTED, (
                 f"the {target.kernel_name} kernel is not selected (enable(kernels=...) or "
                 f"NPU_AUTOPATCH_KERNELS: {', '.join(sorted(kernels))})"

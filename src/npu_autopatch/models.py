@@ -12,18 +12,24 @@ the name: the patcher probes every target against the kernel before swapping.
 from ._types import Model, Target
 
 
-def _dense(model_type, prefix, rope=("apply_rotary_pos_emb",), since="4.57"):
-    """The llama family: a llama-style RMSNorm, a gated SiLU MLP and the named rotary functions."""
+def _dense(model_type, prefix, rope=("apply_rotary_pos_emb",), since="4.57", loss=False):
+    """The llama family: a llama-style RMSNorm, a gated SiLU MLP and the named rotary functions.
+
+    ``loss``: the causal LM's forward takes the (opt-in) chunked loss kernel too.
+    """
     return Model(
         model_type,
         Target("rms_norm", f"{prefix}RMSNorm.forward"),
         Target("swiglu", f"{prefix}MLP.forward"),
         *(Target("rope", path) for path in rope),
+        *((Target("loss", f"{prefix}ForCausalLM.forward"),) if loss else ()),
         since=since,
     )
 
 
-def _moe(model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="4.57", experts="5.0"):
+def _moe(
+    model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="4.57", experts="5.0", loss=False
+):
     """A dense-layer model plus routed experts: 5.x fused ``*Experts``, else the 4.x ``block``.
 
     Without ``block``, the experts target is left out before the release ``experts`` that fused
@@ -34,7 +40,8 @@ def _moe(model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="
     dense = _dense(model_type, prefix, rope, since)
     fused = f"{prefix}Experts.forward"
     routed = Target("moe", fused, block) if block else Target("moe", fused, since=experts)
-    return Model(model_type, *dense.targets, routed, since=since)
+    head = (Target("loss", f"{prefix}ForCausalLM.forward"),) if loss else ()
+    return Model(model_type, *dense.targets, routed, *head, since=since)
 
 
 # In 4.x a sparse block's experts are a ModuleList and the whole block forward (or the
@@ -43,12 +50,13 @@ def _moe(model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="
 MODELS = {
     m.model_type: m
     for m in (
-        _dense("llama", "Llama"),
-        _dense("mistral", "Mistral"),
-        _dense("qwen2", "Qwen2"),
-        _dense("qwen3", "Qwen3"),
+        # loss: the causal LM's forward, the opt-in chunked loss (kernels/loss.py).
+        _dense("llama", "Llama", loss=True),
+        _dense("mistral", "Mistral", loss=True),
+        _dense("qwen2", "Qwen2", loss=True),
+        _dense("qwen3", "Qwen3", loss=True),
         _moe("qwen2_moe", "Qwen2Moe", "Qwen2MoeSparseMoeBlock.forward"),
-        _moe("qwen3_moe", "Qwen3Moe", "Qwen3MoeSparseMoeBlock.forward"),
+        _moe("qwen3_moe", "Qwen3Moe", "Qwen3MoeSparseMoeBlock.forward", loss=True),
         # The default path (config.rope_interleave=True); apply_rotary_pos_emb is the other one.
         _moe(
             "deepseek_v3",

@@ -1,0 +1,219 @@
+"""The causal LM loss without the logits: ``*ForCausalLM.forward`` with a chunked LM head (issue 19).
+
+One implementation for every causal LM, because it does not rewrite the forward: it calls the
+model's own forward with ``labels=None`` and, for that call only, a forward pre-hook on
+``self.lm_head`` that keeps the hidden states the head receives (already sliced by
+``logits_to_keep``) and hands the head an empty slice of them, so the stock head computes
+``[B, 0, V]`` logits and no loss. The loss is then ``losses.linear_cross_entropy`` of those
+hidden states and ``self.lm_head.weight`` (read through the module, so that FSDP2 unshards it
+and its gradient is reduced like any other; a tied embedding is the same parameter), against
+the labels shifted as ``ForCausalLMLoss`` shifts them (or 5.x's ``shift_labels``), with its
+``ignore_index`` and ``num_items_in_batch``. The forward's other terms come back with
+``labels=None`` unadded: the MoE auxiliary loss is added as every table MoE model adds it,
+``router_aux_loss_coef * aux_loss``. The output is the stock one with ``logits=None``.
+
+Why that is the stock loss: the probe runs the stock forward and this one on an instance of the
+real class whose base model returns fixed hidden states (and router logits), and compares the
+loss and its gradients w.r.t. the hidden states and the head's weight, with ``-100`` labels, with
+and without ``num_items_in_batch``. Whatever the stock forward does between the head and the loss
+shows there: its config reads any attribute it does not know as 0.5, so a final logit
+softcapping or a logit scale changes the stock loss; a ``self.logit_scale``, a base model not
+called ``model`` or a loss function of its own raises; each is refused with the reason.
+
+Stock, untouched, for every call this does not reproduce or should not serve: eval, no
+gradients, ``labels`` absent or positional, ``return_dict=False``, a loss function other than
+``ForCausalLMLoss`` (a user's ``loss_function``), a head that is not a bias-free ``nn.Linear``
+with no hooks of its own (PEFT, DeepSpeed, FSDP2 sharding the head alone, accelerate offload),
+autocast, a head dtype other than the hidden states'. When the head was not called exactly
+once, or the labels do not match the kept positions, the loss is the stock head's on the
+captured hidden states (the stock result, or the stock error). The forward is not thread-safe
+across concurrent calls on one model instance (the hook is per module), as no trainer does.
+"""
+
+import functools
+import inspect
+import threading
+
+import torch
+
+from .._types import Kernel, Variant
+from ..losses import linear_cross_entropy
+from ._probe import _set, agree_strict, first_disagreement, generator, linear, parameters, randn
+
+_LINEAR_FORWARD = torch.nn.Linear.forward
+
+
+def _plain_head(head):
+    """A bias-free nn.Linear whose forward nobody wraps: its output is ``hidden @ weight.T``."""
+    return (
+        isinstance(head, torch.nn.Linear)
+        and type(head).forward is _LINEAR_FORWARD
+        and head.bias is None
+        and not head._forward_pre_hooks
+        and not head._forward_hooks
+    )
+
+
+def _stock_loss_function():
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    return LOSS_MAPPING["ForCausalLM"]
+
+
+def _build(stock, npu, on_error):
+    causal_lm_loss = _stock_loss_function()
+
+    @functools.wraps(stock)
+    def forward(self, *args, **kwargs):
+        labels = kwargs.get("labels")
+        return_dict = kwargs.get("return_dict")
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        head = getattr(self, "lm_head", None)
+        if (
+            labels is None
+            or not return_dict
+            or not self.training
+            or not torch.is_grad_enabled()
+            or not _plain_head(head)
+            or self.loss_function is not causal_lm_loss
+        ):
+            return stock(self, *args, **kwargs)
+        captured = []
+        thread = threading.get_ident()
+
+        def keep_hidden(module, inputs):
+            if threading.get_ident() != thread:
+                return None
+            captured.append(inputs[0])
+            return (inputs[0][..., :0, :],)
+
+        handle = head.register_forward_pre_hook(keep_hidden)
+        try:
+            out = stock(self, *args, **{**kwargs, "labels": None})
+        finally:
+            handle.remove()
+        hidden = captured[0] if len(captured) == 1 else None
+        loss = None
+        usable = hidden is not None and hidden.dtype == head.weight.dtype
+        if usable and not torch.is_autocast_enabled(hidden.device.type):
+            try:
+                loss = _chunked_loss(hidden, head.weight, labels, kwargs)
+            except Exception as exc:
+                on_error(exc, hidden, head.weight)
+        if loss is None:
+            if hidden is None:  # the head ran other than once: the stock forward, all of it
+                return stock(self, *args, **kwargs)
+            logits = head(hidden)
+            loss = causal_lm_loss(logits, labels, self.config.vocab_size, **kwargs)
+        else:
+            logits = None
+        aux_loss = getattr(out, "aux_loss", None)
+        if aux_loss is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+        return type(out)(**{**out, "loss": loss, "logits": logits})
+
+    return forward
+
+
+def _chunked_loss(hidden, weight, labels, kwargs):
+    """ForCausalLMLoss's shift and reduction on the kept hidden states; None if they do not match."""
+    ignore_index = kwargs.get("ignore_index", -100)
+    shifted = kwargs.get("shift_labels")
+    if shifted is None:
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if shifted.numel() != hidden.shape[:-1].numel():
+        return None  # the stock head's loss raises its own error for this
+    return linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        shifted.reshape(-1),
+        ignore_index=ignore_index,
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+    )
+
+
+class _ProbeConfig:
+    """The probe's config: what it is given, else 0.5, so a config-driven extra in the head shows."""
+
+    def __init__(self, **known):
+        self.__dict__.update(known)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return 0.5
+
+
+class _ProbeBase(torch.nn.Module):
+    """A base model that returns fixed hidden states and router logits, whatever it is asked."""
+
+    def __init__(self, hidden, router_logits):
+        super().__init__()
+        self.hidden, self.router_logits = hidden, router_logits
+
+    def forward(self, *args, **kwargs):
+        from transformers.modeling_outputs import MoeModelOutputWithPast
+
+        return MoeModelOutputWithPast(last_hidden_state=self.hidden, router_logits=self.router_logits)
+
+
+def _owner(stock):
+    """The class defining the forward (decorators' wrappers live in another module's globals)."""
+    owner_name = getattr(stock, "__qualname__", "").rpartition(".")[0]
+    owner = inspect.unwrap(stock).__globals__.get(owner_name)
+    return owner if isinstance(owner, type) and issubclass(owner, torch.nn.Module) else None
+
+
+def _probe(stock, candidate):
+    params = parameters(stock) or ()
+    if "labels" not in params:
+        return f"the forward {params} takes no labels"
+    owner = _owner(stock)
+    if owner is None:
+        return "the forward is not a method of a module class"
+    gen = generator()
+    vocab, width = 11, 8
+    hidden = randn(gen, 2, 5, width).requires_grad_()
+    head = linear(gen, width, vocab)
+    router_logits = (randn(gen, 10, 4),)
+    labels = torch.randint(0, vocab, (2, 5), generator=gen)
+    labels[0, :2] = -100
+
+    def run(forward, **extra):
+        model = owner.__new__(owner)
+        torch.nn.Module.__init__(model)
+        attributes = {
+            "config": _ProbeConfig(vocab_size=vocab, return_dict=True, use_return_dict=True),
+            "model": _ProbeBase(hidden, router_logits),
+            "lm_head": head,
+            "vocab_size": vocab,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.37,
+            "loss_type": "ForCausalLM",
+        }
+        for name, value in attributes.items():
+            _set(model, name, value)
+        with torch.enable_grad():
+            ids = labels.clamp(min=0)
+            out = forward(model, input_ids=ids, labels=labels, output_router_logits=True, **extra)
+            chunked = out.logits is None
+            return (out.loss, *torch.autograd.grad(out.loss, (hidden, head.weight))), chunked
+
+    def compare(extra):
+        def run_candidate():
+            values, chunked = run(candidate, **extra)
+            ran.append(chunked)
+            return values
+
+        ran = []
+        reason = agree_strict(lambda: run(stock, **extra)[0], run_candidate)
+        if reason is None and not all(ran):
+            return "the forward did not take the chunked loss on the probe's call"
+        return reason
+
+    return first_disagreement(compare({}), compare({"num_items_in_batch": torch.tensor(7)}))
+
+
+LOSS = Kernel("loss", (), (Variant("chunked", _build, _probe),))

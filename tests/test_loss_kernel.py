@@ -1,0 +1,216 @@
+"""The opt-in loss kernel (kernels/loss.py) against stock transformers (issue 19 item 1-2).
+
+Loss and every parameter's gradient of the table's causal LMs with the kernel on match stock, fp32
+tight and bf16 within rounding: with -100 padding, num_items_in_batch, tied embeddings,
+logits_to_keep (with shift_labels), the MoE auxiliary loss. HF Trainer gives the same losses step
+by step. Only the loss kernel is selected (kernels=[]), so stock is the only other party.
+"""
+
+import importlib
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+
+import npu_autopatch
+from npu_autopatch import _config, _control
+from npu_autopatch.kernels import KERNELS, choose_variant
+from npu_autopatch.kernels import loss as loss_kernel
+from npu_autopatch.models import MODELS
+from npu_autopatch.testing.parity import tiny_model
+
+LOSS_MODELS = sorted(t for t, m in MODELS.items() if "loss" in m.kernels)
+TOLERANCE = {torch.float32: (1e-4, 1e-6), torch.bfloat16: (2e-2, 2**-6)}
+
+
+def test_the_table_gives_the_loss_kernel_to_the_llama_family_and_qwen3_moe():
+    assert LOSS_MODELS == ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
+
+
+def _batch(model, seed=1, batch=2, length=9):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=gen)
+    labels = ids.clone()
+    labels[0, :4] = -100  # a padded prompt
+    return ids, labels
+
+
+def _run(model, **inputs):
+    """(loss, {parameter: gradient}, outputs) of one forward + backward."""
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), grads, out
+
+
+def _close(got, expected, dtype):
+    rtol, atol = TOLERANCE[dtype]
+    scale = expected.abs().max().item() if dtype != torch.float32 and expected.numel() > 1 else 1.0
+    torch.testing.assert_close(got.float(), expected.float(), rtol=rtol, atol=atol * max(scale, 1e-3))
+
+
+CASES = {
+    "padding": lambda ids, labels: {},
+    "num_items_in_batch": lambda ids, labels: {"num_items_in_batch": torch.tensor(11)},
+    "logits_to_keep": lambda ids, labels: {"logits_to_keep": 4, "shift_labels": labels[:, -4:].contiguous()},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# The slicing by logits_to_keep is the same code in every model: one is enough.
+@pytest.mark.parametrize(
+    "model_type, case",
+    [(m, c) for m in LOSS_MODELS for c in ("padding", "num_items_in_batch")] + [("qwen3", "logits_to_keep")],
+)
+def test_loss_and_every_gradient_match_stock(model_type, case, dtype, npu_stand_in):
+    overrides = {"output_router_logits": True} if "moe" in model_type else {}
+    if case == "padding" and model_type in ("llama", "qwen3"):
+        overrides["tie_word_embeddings"] = True
+    model = tiny_model(model_type, dtype, **overrides)
+    ids, labels = _batch(model)
+    inputs = {"input_ids": ids, "labels": labels, **CASES[case](ids, labels)}
+    stock_loss, stock_grads, stock_out = _run(model, **inputs)
+    assert stock_out.logits is not None
+    npu_autopatch.enable(models=[model_type], kernels=[], loss=True)
+    record = npu_autopatch.status()[model_type]
+    assert record.state == "applied" and record.kernels == ("loss",), record.reason
+    loss, grads, out = _run(model, **inputs)
+    assert out.logits is None  # the chunked loss ran
+    if "moe" in model_type:
+        assert out.aux_loss is not None and out.aux_loss.item() != 0
+    if overrides.get("tie_word_embeddings"):
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    _close(loss, stock_loss, dtype)
+    assert grads.keys() == stock_grads.keys()
+    for name, grad in grads.items():
+        _close(grad, stock_grads[name], dtype)
+
+
+def test_eval_no_labels_and_no_grad_take_the_stock_forward(npu_stand_in):
+    model = tiny_model("qwen3")
+    ids, labels = _batch(model)
+    npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
+    assert model(input_ids=ids, labels=labels).logits is None
+    assert model(input_ids=ids).logits is not None
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=labels).logits is not None
+    model.eval()
+    assert model(input_ids=ids, labels=labels).logits is not None
+    model.train()
+    assert isinstance(model(input_ids=ids, labels=labels, return_dict=False), tuple)
+
+
+def test_off_by_default_and_reported_when_on(npu_stand_in):
+    model = tiny_model("qwen3")
+    npu_autopatch.enable(models=["qwen3"])
+    assert "loss" not in npu_autopatch.status()["qwen3"].kernels
+    ids, labels = _batch(model)
+    assert model(input_ids=ids, labels=labels).logits is not None
+    npu_autopatch.enable(models=["qwen3"], loss=True)
+    record = npu_autopatch.status()["qwen3"]
+    assert "loss" in record.kernels
+    assert any(where.endswith("Qwen3ForCausalLM.forward") for where in record.targets), record.targets
+    assert "loss=True" in repr(_control.selection())
+    assert "forward (loss)" in str(npu_autopatch.report(model))
+
+
+def test_the_switch_follows_the_conventions_of_the_others():
+    def resolve(environ, warn=print, kernels=None, **arguments):
+        return _config.resolve(None, None, kernels, None, False, warn, ["qwen3"], environ, **arguments)
+
+    assert not resolve({}).loss
+    assert resolve({"NPU_AUTOPATCH_LOSS": "1"}).loss
+    assert not resolve({"NPU_AUTOPATCH_LOSS": "1"}, loss=False).loss
+    assert resolve({}, loss=True).selects("loss") and not resolve({}).selects("loss")
+    warnings = []
+    assert not resolve({"NPU_AUTOPATCH_LOSS": "maybe"}, warnings.append).loss
+    assert warnings and "NPU_AUTOPATCH_LOSS" in warnings[0]
+    with pytest.raises(ValueError, match="unknown kernels"):  # its own switch, not kernels=
+        resolve({}, kernels=["loss"])
+
+
+@pytest.mark.parametrize(
+    "model_type, cls, why",
+    [
+        ("gemma2", "Gemma2ForCausalLM", "math differs"),  # final logit softcapping
+        ("granite", "GraniteForCausalLM", "math differs"),  # logits / logits_scaling
+        ("cohere", "CohereForCausalLM", "logit_scale"),
+    ],
+)
+def test_a_head_that_does_more_is_refused_with_the_reason(model_type, cls, why):
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    variant, reason = choose_variant(KERNELS["loss"], getattr(module, cls).forward, live=True)
+    assert variant is None and why in reason
+
+
+def test_a_user_loss_function_takes_the_stock_forward(npu_stand_in):
+    model = tiny_model("qwen3")
+    ids, labels = _batch(model)
+    npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
+    model.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.float().mean()
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None
+    torch.testing.assert_close(out.loss, out.logits.float().mean())
+
+
+def test_a_head_with_hooks_of_its_own_takes_the_stock_forward_once(npu_stand_in):
+    """FSDP2 sharding the head alone, DeepSpeed, accelerate offload: their hooks see the real call."""
+    model = tiny_model("qwen3")
+    ids, labels = _batch(model)
+    npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
+    seen = []
+    model.lm_head.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].shape))
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None and seen == [(*ids.shape, model.config.hidden_size)]
+
+
+class _Tokens(Dataset):
+    def __init__(self, vocab, rows=8, length=12):
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (rows, length), generator=generator)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[: 2 + i % 3] = -100  # prompts of different lengths: num_items_in_batch matters
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def _trainer_losses(model_type, tmp_path):
+    model = tiny_model(model_type)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(model.config.vocab_size))
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_trainer_gives_the_same_losses_step_by_step(model_type, tmp_path, npu_stand_in, monkeypatch):
+    stock = _trainer_losses(model_type, tmp_path / "stock")
+    npu_autopatch.enable(models=[model_type], kernels=[], loss=True)
+    calls = []
+    chunked = loss_kernel.linear_cross_entropy
+    counted = lambda *a, **k: calls.append(k) or chunked(*a, **k)  # noqa: E731
+    monkeypatch.setattr(loss_kernel, "linear_cross_entropy", counted)
+    patched = _trainer_losses(model_type, tmp_path / "patched")
+    assert npu_autopatch.status()[model_type].kernels == ("loss",)
+    assert len(stock) == len(patched) == 4
+    # Every micro-batch took the chunked loss, divided by the accumulation's token count.
+    assert len(calls) == 8 and all(k["num_items_in_batch"] is not None for k in calls)
+    torch.testing.assert_close(patched, stock, rtol=1e-4, atol=0)

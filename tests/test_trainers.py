@@ -64,8 +64,8 @@ def _losses(model_type, tmp_path, reentrant, lora=False):
     [
         ("qwen3", False, False),
         ("qwen3_moe", False, False),
-        ("qwen3", True, True),
-        ("qwen3_moe", False, True),
+        pytest.param("qwen3", True, True, marks=pytest.mark.full),
+        pytest.param("qwen3_moe", False, True, marks=pytest.mark.full),
     ],
     ids=["dense", "moe", "dense-lora-reentrant", "moe-lora"],
 )

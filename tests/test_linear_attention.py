@@ -195,6 +195,26 @@ def test_gradient_checkpointing_still_recomputes_the_layer(npu_stand_in, model_t
     assert_close(together, alone, torch.float32)
 
 
+def test_a_layer_being_compiled_runs_stock_in_one_graph(npu_stand_in):
+    """Finding documents reads tensor values: under torch.compile the stock layer runs, fullgraph."""
+    model = tiny_model("qwen3_next")
+    layer = next(module for module in model.modules() if hasattr(module, "linear_attn"))
+    hidden = torch.randn(1, 16, model.config.hidden_size)
+
+    def run():
+        return layer(hidden, position_embeddings=None, position_ids=torch.arange(16)[None])
+
+    stock = torch.compile(run, fullgraph=True, backend="eager")()
+    torch._dynamo.reset()
+    npu_autopatch.enable(models=["qwen3_next"], kernels=["gated_delta_rule"])
+    try:
+        patched = torch.compile(run, fullgraph=True, backend="eager")()
+    finally:
+        npu_autopatch.disable()
+        torch._dynamo.reset()
+    assert torch.equal(patched, stock)
+
+
 def test_document_starts():
     restarting = torch.tensor([[0, 1, 2, 0, 1, 0]])
     assert document_starts(6, restarting, None).tolist() == [0, 3, 5]

@@ -20,7 +20,8 @@ chunked scan running over the longest document instead of the whole packed row. 
 the MLP are per token and run on the packed row, as stock runs them.
 
 Everything else is the stock layer, unchanged: a full-attention layer, a call without packing
-(one document per row, with or without padding; decode, one token per row), a positional call.
+(one document per row, with or without padding; decode, one token per row), a positional call,
+a call being compiled (the documents are found from tensor values, which a graph cannot hold).
 A packed call with a cache (5.x creates one whenever ``use_cache`` is on, as in a trainer's
 forward) keeps the documents apart too and leaves the layer's cache entry as it was: a packed
 row has no one state to continue from. The replacement calls no torch_npu op, so it never
@@ -96,7 +97,12 @@ def _build_decoder_layer(stock, npu, on_error):
     def forward(self, hidden_states, *args, **kwargs):
         mixer = getattr(self, "linear_attn", None)
         attention_mask = kwargs.get("attention_mask")
-        if mixer is None or args or (attention_mask is not None and attention_mask.ndim != 2):
+        if (
+            mixer is None
+            or args
+            or (attention_mask is not None and attention_mask.ndim != 2)
+            or torch.compiler.is_compiling()  # finding documents reads values: no graph could hold it
+        ):
             return layer(self, hidden_states, *args, **kwargs)
         batch, length = hidden_states.shape[:2]
         # As in flash attention, position_ids tell documents apart only where no padding mask does.

@@ -8,6 +8,8 @@ state and the conv window from one document into the next, or raises ``ValueErro
 decode with a cache run the stock layer: bit for bit the stock result.
 """
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -26,6 +28,8 @@ from npu_autopatch.testing.parity import (
 from .conftest import present
 
 MODELS = [m for m in ("qwen3_5", "qwen3_5_moe", "qwen3_next") if present(m)]
+# Not in the table: their linear-attention decoder layers are found by discovery.
+DISCOVERED = [m for m in ("olmo_hybrid", "lara_mini") if importlib.util.find_spec(f"transformers.models.{m}")]
 LENGTHS = (7, 9, 5)
 LINEAR_ONLY = {"layer_types": ["linear_attention", "linear_attention"]}
 
@@ -101,6 +105,22 @@ def test_packed_documents_match_each_run_alone(npu_stand_in, model_type, boundar
     finally:
         npu_autopatch.disable()
     assert_close(together, alone, dtype)
+
+
+@pytest.mark.parametrize("model_type", DISCOVERED)
+def test_discovery_keeps_packed_documents_apart_in_other_models(npu_stand_in, model_type):
+    model = tiny_model(model_type)
+    docs = documents(model)
+    packed, kwargs = packed_inputs(docs, "position_ids")
+    weights = torch.randn(1, packed.shape[1], model.config.get_text_config().vocab_size)
+    alone = step(model, docs, weights)
+    npu_autopatch.enable(discover=True)
+    try:
+        assert "gated_delta_rule" in npu_autopatch.status()[model_type].kernels
+        together = step(model, [packed], weights, **kwargs)
+    finally:
+        npu_autopatch.disable()
+    assert_close(together, alone, torch.float32)
 
 
 def test_stock_leaks_across_packed_documents(npu_stand_in):

@@ -10,8 +10,10 @@ SOURCES = ["transformers 4.57.6", "transformers 5.24.0"]
 VERDICTS = {
     "gated_delta_rule": {
         "03d12d21f6e63a199eae54de": "decoder-layer",
+        "30b559168c6420536c4d6197": "decoder-layer",
         "61e1e868b1b4550ebfe47441": "decoder-layer",
         "64760833b6bded88db6e982f": "decoder-layer",
+        "9d1aa0d5e69631ffc608d71d": "decoder-layer",
         "cec1ce774820d54fe9af17a7": "decoder-layer",
     },
     "gated_rms_norm": {

@@ -38,10 +38,6 @@ import torch
 from .._types import Kernel, Variant
 from ._probe import agree_strict, first_disagreement, generator, instance, linear, randn
 
-# The flash-attention kwargs that describe packing: consumed here, never passed to the mixer
-# (5.x's torch fallback raises on them).
-_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
 
 def document_starts(
     tokens: int, position_ids: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None

@@ -20,6 +20,7 @@ TABLES = {
     "call_overhead.py": r"rope per-call shape check: -?\d+ ns",
     "discovery_overhead.py": r"discovering \+ patching modeling_doge: +\d+\.\d\d ms",
     "import_overhead.py": r"both, per unrelated first import: +-?\d+ ns .*",
+    "linear_attention.py": r"  +\d+ tokens, 4 documents *: stock +\d+ ops .* \| patched +\d+ ops +\d+\.\d ms",
     "loss_memory.py": r"bfloat16 at \d+ tokens: peak \d+\.\dx lower, time \d+\.\d\dx stock",
     "patch_time.py": r"first model of a process \(import modeling_qwen3\): \d+ ms stock, \d+ ms patched .*",
     "startup.py": r"  NPU_AUTOPATCH=1: +\d+\.\d ms .*",

@@ -17,11 +17,16 @@ _NORM = re.compile(r"RMSNorm")
 _MLP = re.compile(r"(MLP|Mlp|FeedForward|FFN|Ffn)")
 _MOE = re.compile(r"(Experts|SparseMoeBlock|SparseMoE|MoE|Moe|MoEBlock|MoeBlock)$")
 _ROPE = re.compile(r"^apply_\w*rotary")
+# A decoder layer, nominated only in a module with a Gated DeltaNet (linear attention) layer: the
+# gated_delta_rule kernel's target (packed sequences kept apart) is the whole layer's forward.
+_LAYER = re.compile(r"DecoderLayer$")
+_LINEAR_ATTENTION = "GatedDeltaNet"
 _KERNELS_FOR = {
     "norm": ("rms_norm", "gated_rms_norm"),
     "mlp": ("swiglu",),
     "rope": ("rope",),
     "moe": ("moe",),
+    "linear": ("gated_delta_rule",),
 }
 
 
@@ -30,7 +35,7 @@ class Candidate:
     """A class method or function whose name looks like a target, and what the probes said."""
 
     path: str  # "Qwen3RMSNorm.forward" or "apply_rotary_pos_emb", in the module's namespace
-    kind: str  # norm, mlp, rope, moe
+    kind: str  # norm, mlp, rope, moe, linear
     defined_in: str  # the module that defines it (another one for an imported class)
     kernel: str | None = None  # the kernel whose probe accepted it
     variant: str | None = None
@@ -71,12 +76,15 @@ def modeling_modules(root: str | None = None) -> dict[str, list[str]]:
     return found
 
 
-def _kind(name: str, obj) -> str | None:
+def _kind(name: str, obj, linear_attention: bool = False) -> str | None:
+    """The kind of target ``name`` looks like; decoder layers only in a linear-attention module."""
     import torch
 
     if isinstance(obj, type):
         if not issubclass(obj, torch.nn.Module):
             return None
+        if linear_attention and _LAYER.search(name):
+            return "linear"
         if _NORM.search(name):
             return "norm"
         if _MOE.search(name):
@@ -96,8 +104,10 @@ def candidates(module) -> list[Candidate]:
     import torch
 
     found = []
-    for name, obj in sorted(vars(module).items()):
-        kind = _kind(name, obj)
+    namespace = vars(module)
+    linear_attention = any(_LINEAR_ATTENTION in name for name in namespace)
+    for name, obj in sorted(namespace.items()):
+        kind = _kind(name, obj, linear_attention)
         if kind is None:
             continue
         home = getattr(obj, "__module__", "") or ""
@@ -121,7 +131,7 @@ def _stock(module, path):
 
 
 def kernels_for(kind: str) -> tuple[str, ...]:
-    """The kernels whose probes judge a candidate of this kind (norm, mlp, rope, moe)."""
+    """The kernels whose probes judge a candidate of this kind (norm, mlp, rope, moe, linear)."""
     return _KERNELS_FOR[kind]
 
 

@@ -97,6 +97,7 @@ MODELS = {
             Target("swiglu", "Qwen3NextMLP.forward"),
             Target("rope", "apply_rotary_pos_emb"),  # partial rotary
             Target("moe", "Qwen3NextExperts.forward", "Qwen3NextSparseMoeBlock.forward"),
+            Target("gated_delta_rule", "Qwen3NextDecoderLayer.forward"),  # packed sequences kept apart
         ),
         Model(
             "qwen3_5",
@@ -105,6 +106,7 @@ MODELS = {
             Target("swiglu", "Qwen3_5MLP.forward"),
             Target("rope", "apply_rotary_pos_emb"),
             Target("rope", "apply_rotary_pos_emb_vision"),
+            Target("gated_delta_rule", "Qwen3_5DecoderLayer.forward"),  # packed sequences kept apart
             since="5.2",
         ),
         Model(
@@ -115,6 +117,7 @@ MODELS = {
             Target("rope", "apply_rotary_pos_emb"),
             Target("rope", "apply_rotary_pos_emb_vision"),
             Target("moe", "Qwen3_5MoeExperts.forward"),
+            Target("gated_delta_rule", "Qwen3_5MoeDecoderLayer.forward"),  # packed sequences kept apart
             since="5.2",
         ),
         # Gemma3's MLP is GELU (gelu_pytorch_tanh), which no SiLU kernel reproduces: no swiglu target.

@@ -1,0 +1,183 @@
+"""Gated DeltaNet (linear attention) layers with packed sequences kept apart.
+
+Without ``fla`` (always the case on an Ascend NPU on 4.57, and whenever it is not installed on
+5.x), the linear-attention layers of Qwen3.5, Qwen3.5-MoE and Qwen3-Next run transformers'
+torch fallback, which knows nothing of packing: the recurrent state and the conv window of one
+document flow into the next (position_ids restarting at 0), or it raises ``ValueError`` when the
+caller passes ``cu_seq_lens_q``. The layer's token mixer never sees ``position_ids`` (and on
+4.57 no keyword argument at all), so the target is the one place that does: the decoder
+layer's ``forward``.
+
+The replacement finds the documents of a call (``document_starts``): from ``cu_seq_lens_q``
+when the caller passes them, else from ``position_ids`` restarting at their minimum in a batch
+of one row, the rule of transformers' flash-attention path (``_is_packed_sequence``,
+``prepare_fa_kwargs_from_position_ids``). It then lays each document out as its own batch row,
+right-padded to the longest, runs the stock token mixer (``self.linear_attn``) once on those
+rows and gathers the tokens back. The mixer is causal, so the padding after a document never
+reaches it, and each row starts from a zero state and an empty conv window: exactly what the
+documents give when run one by one, with no loop over documents or tokens, and with the stock
+chunked scan running over the longest document instead of the whole packed row. The norms and
+the MLP are per token and run on the packed row, as stock runs them.
+
+Everything else is the stock layer, unchanged: a full-attention layer, a call without packing
+(one document per row, with or without padding; decode, one token per row), a positional call,
+a call being compiled (the documents are found from tensor values, which a graph cannot hold).
+A packed call with a cache (5.x creates one whenever ``use_cache`` is on, as in a trainer's
+forward) keeps the documents apart too and leaves the layer's cache entry as it was: a packed
+row has no one state to continue from. The replacement calls no torch_npu op, so it never
+reports an ``on_error``.
+
+The probe runs the stock layer with a stand-in causal mixer that does leak across documents
+(a running sum and a one-token shift, as the conv window and the state would) and checks
+that the candidate gives stock's own result unpacked, and, packed, what stock gives for each
+document alone, with boundaries from ``position_ids`` and from ``cu_seq_lens_q``.
+"""
+
+import torch
+
+from .._types import Kernel, Variant
+from ._probe import agree_strict, first_disagreement, generator, instance, linear, randn
+
+
+def document_starts(
+    tokens: int, position_ids: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The index of each document's first token among the ``tokens`` flattened tokens, or None.
+
+    None means one document per row: the stock layer is right as it is.
+    """
+    if cu_seq_lens_q is not None:
+        ends = cu_seq_lens_q.flatten().to(torch.long)
+        # A first token not listed, or tokens after the last end, still make a document each.
+        return torch.cat((ends.new_zeros(1), ends[(ends > 0) & (ends < tokens)])).unique()
+    if position_ids is None or position_ids.ndim != 2 or position_ids.shape[0] != 1 or tokens < 2:
+        return None
+    positions = position_ids[0]
+    restarts = positions == positions.min()
+    restarts[0] = True  # a row that begins mid-document still begins a document here
+    starts = restarts.nonzero().flatten()
+    return starts if starts.numel() > 1 else None
+
+
+def _rows(starts: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, valid): token index of each (document, offset) slot, and whether the slot is real."""
+    lengths = torch.diff(starts, append=starts.new_full((1,), tokens))
+    offsets = torch.arange(int(lengths.max()), device=starts.device)
+    valid = offsets < lengths[:, None]
+    index = torch.where(valid, starts[:, None] + offsets, 0)  # right padding repeats token 0: never read
+    return index, valid
+
+
+def mix_documents(
+    mixer: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    starts: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """``mixer`` run on each document alone, the documents side by side as batch rows."""
+    batch, length, width = hidden_states.shape
+    index, valid = _rows(starts, batch * length)
+    rows = hidden_states.reshape(batch * length, width)[index]
+    row_mask = None if attention_mask is None else attention_mask.reshape(-1)[index] * valid
+    mixed = mixer(hidden_states=rows, attention_mask=row_mask)
+    return mixed[valid].reshape(batch, length, -1)
+
+
+def _build_decoder_layer(stock, npu, on_error):
+    # 5.x's GradientCheckpointingLayer wraps each layer class's forward and checkpoints only when
+    # that wrapper is the class's forward: the replacement is wrapped the same way, around the
+    # stock layer without its wrapper, or checkpointing would silently stop.
+    checkpointing_layer = _checkpointing_base(stock)
+    layer = stock.__wrapped__ if checkpointing_layer is not None else stock
+
+    def forward(self, hidden_states, *args, **kwargs):
+        mixer = getattr(self, "linear_attn", None)
+        attention_mask = kwargs.get("attention_mask")
+        if (
+            mixer is None
+            or args
+            or (attention_mask is not None and attention_mask.ndim != 2)
+            or torch.compiler.is_compiling()  # finding documents reads values: no graph could hold it
+        ):
+            return layer(self, hidden_states, *args, **kwargs)
+        batch, length = hidden_states.shape[:2]
+        # As in flash attention, position_ids tell documents apart only where no padding mask does.
+        position_ids = kwargs.get("position_ids") if attention_mask is None else None
+        starts = document_starts(batch * length, position_ids, kwargs.get("cu_seq_lens_q"))
+        if starts is None:
+            return layer(self, hidden_states, *args, **kwargs)
+        residual = hidden_states
+        mixed = mix_documents(mixer, self.input_layernorm(hidden_states), starts, attention_mask)
+        hidden_states = residual + mixed
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        if isinstance(hidden_states, tuple):  # a 4.x sparse block returns (hidden, router_logits)
+            hidden_states = hidden_states[0]
+        return residual + hidden_states
+
+    if checkpointing_layer is None:
+        return forward
+    return type("PackedDecoderLayer", (checkpointing_layer,), {"forward": forward}).forward
+
+
+def _checkpointing_base(stock):
+    """5.x's GradientCheckpointingLayer when ``stock`` is the forward it wrapped, else None."""
+    if getattr(getattr(stock, "__code__", None), "co_name", "") != "forward_with_checkpointing":
+        return None
+    base = stock.__globals__.get("GradientCheckpointingLayer")
+    return base if isinstance(base, type) and hasattr(stock, "__wrapped__") else None
+
+
+class _LeakyCausalMixer(torch.nn.Module):
+    """A causal token mixer that carries state across a row, as the Gated DeltaNet does."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        shifted = torch.nn.functional.pad(hidden_states, (0, 0, 1, 0))[:, :-1]
+        return hidden_states.cumsum(1) * 0.25 + shifted
+
+
+def _probe_decoder_layer(stock, candidate):
+    gen = generator()
+    width = 8
+    layer = instance(
+        stock,
+        input_layernorm=linear(gen, width, width),
+        post_attention_layernorm=linear(gen, width, width),
+        mlp=linear(gen, width, width),
+        linear_attn=_LeakyCausalMixer(),
+        block_type="linear_attention",
+        layer_type="linear_attention",
+        gradient_checkpointing=False,  # 5.x's deprecate_kwarg wrapper reads it
+    )
+    lengths = (3, 5, 2)
+    docs = [randn(gen, 1, n, width) for n in lengths]
+    packed = torch.cat(docs, dim=1)
+    restarting = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu_seq_lens = torch.tensor((0, 3, 8, 10), dtype=torch.int32)
+    batch = randn(gen, 2, 4, width)
+
+    def run(function, x, **kwargs):
+        return function(layer, x, position_embeddings=None, attention_mask=None, **kwargs)
+
+    def separately():
+        return torch.cat(
+            [run(stock, doc, position_ids=torch.arange(doc.shape[1])[None]) for doc in docs], dim=1
+        )
+
+    return first_disagreement(
+        agree_strict(
+            lambda: run(stock, batch, position_ids=torch.arange(4)[None].expand(2, 4)),
+            lambda: run(candidate, batch, position_ids=torch.arange(4)[None].expand(2, 4)),
+        ),
+        agree_strict(separately, lambda: run(candidate, packed, position_ids=restarting)),
+        agree_strict(
+            separately, lambda: run(candidate, packed, cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens)
+        ),
+    )
+
+
+GATED_DELTA_RULE = Kernel(
+    "gated_delta_rule",
+    (),
+    (Variant("decoder-layer", _build_decoder_layer, _probe_decoder_layer),),
+)

@@ -5,7 +5,7 @@ table (models.py), plugins and register() all declare models with these.
 """
 
 # The built-in kernels, in the order they are reported. The kernels package implements them.
-KERNEL_NAMES = ("rms_norm", "gated_rms_norm", "swiglu", "rope", "moe")
+KERNEL_NAMES = ("rms_norm", "gated_rms_norm", "swiglu", "rope", "moe", "attention")
 
 
 class Variant:

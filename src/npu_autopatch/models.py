@@ -246,6 +246,14 @@ MODELS = {
         # gpt-oss: the norm only. Its experts are a clamped SwiGLU with bias on an interleaved
         # [E, H, 2I] layout and its rotary halves cos: no kernel reproduces them.
         Model("gpt_oss", Target("rms_norm", "GptOssRMSNorm.forward")),
+        # Not a model type: transformers' Ascend flash-attention functions, which every model running
+        # attn_implementation="flash_attention_2" on an NPU calls (kernels/attention.py).
+        Model(
+            "npu_flash_attention",
+            Target("attention", "npu_flash_attn_func"),
+            Target("attention", "npu_flash_attn_varlen_func"),
+            module="transformers.integrations.npu_flash_attention",
+        ),
     )
 }
 

@@ -1,6 +1,6 @@
 """The NPU kernels, each written once and named; the model table says where they go.
 
-Each kernel lives in its own module (norm, mlp, rope, moe) as a ``Kernel`` with one or more
+Each kernel lives in its own module (norm, mlp, rope, moe, attention) as a ``Kernel`` with one or more
 variants (see ``_types.Kernel``). The patcher uses the first variant whose probe agrees with the
 stock code, so a target is only ever replaced by code that reproduces its math, whatever
 the class is called.
@@ -11,12 +11,13 @@ Imported at patch time only: it imports torch, which the modeling module already
 from .._types import KERNEL_NAMES, Kernel, Variant
 from . import _fingerprint, _reference
 from ._probe import neutral_torch
+from .attention import ATTENTION
 from .mlp import SWIGLU
 from .moe import MOE
 from .norm import GATED_RMS_NORM, RMS_NORM
 from .rope import ROPE
 
-KERNELS = {kernel.name: kernel for kernel in (RMS_NORM, GATED_RMS_NORM, SWIGLU, ROPE, MOE)}
+KERNELS = {kernel.name: kernel for kernel in (RMS_NORM, GATED_RMS_NORM, SWIGLU, ROPE, MOE, ATTENTION)}
 assert tuple(KERNELS) == KERNEL_NAMES, "kernels and _types.KERNEL_NAMES must list the same kernels"
 _fingerprint.BUILTIN.update((name, kernel.variants) for name, kernel in KERNELS.items())
 

@@ -260,3 +260,6 @@ MODELS = {
 # The models this package ships. MODELS itself is the live registry (``_state.STATE.models``):
 # entry-point plugins and register() add to it, through _control and _plugins only.
 BUILTIN = tuple(MODELS)
+# The entries that are no model type: a module every model calls (no tiny model, no modeling module).
+INTEGRATIONS = frozenset({"npu_flash_attention"})
+MODEL_TYPES = tuple(name for name in BUILTIN if name not in INTEGRATIONS)

@@ -301,3 +301,60 @@ def test_the_replacements_expose_what_transformers_looks_for():
     # transformers' window_size = (W - 1, W - 1): W - 1 tokens back, none ahead when causal.
     assert attention_kernel._band(True, (3, 3)) == (3, 0)
     assert attention_kernel._band(False, (3, 3)) == (3, 3)
+
+
+FAILING = r"""
+import copy, json
+import torch
+from npu_autopatch.testing import stand_in, tiny
+
+with stand_in() as npu:
+    import npu_autopatch
+
+    npu_autopatch.enable(models=["npu_flash_attention"])
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny.tiny_config("mistral", sliding_window=4)
+    torch.manual_seed(0)
+    fa = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="flash_attention_2")
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    eager.load_state_dict(fa.state_dict())
+    ids = torch.randint(1, cfg.vocab_size, (2, 10))
+    fused = npu.npu_fusion_attention
+
+    def device_refuses(*args, **kwargs):
+        fused(*args, **kwargs)  # counted as a call, as the device would have been asked
+        raise RuntimeError("EZ9999: a rule nobody knew")
+
+    npu.npu_fusion_attention = device_refuses
+    def error():
+        expected = eager(ids).logits
+        return ((fa(ids).logits - expected).abs().max() / expected.abs().max()).item()
+
+    with torch.no_grad():
+        errors = [error()]
+        calls = npu.calls["npu_fusion_attention"]
+        errors.append(error())
+    record = npu_autopatch.status()["npu_flash_attention"]
+    out = {"errors": errors, "calls": [calls, npu.calls["npu_fusion_attention"]], "state": record.state.value}
+    out["code"] = None if record.code is None else record.code.value
+    print("RESULT" + json.dumps(out))
+"""
+
+
+def test_a_fused_call_that_raises_is_reported_and_the_call_stays_right():
+    """Not stock (which would drop the window): that function runs unfused from then on, and status says
+    op-failed. transformers keeps calling the replacement it loaded, so the second forward is unfused too."""
+    result = subprocess.run(
+        [sys.executable, "-c", FAILING],
+        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    found = json.loads(result.stdout.split("RESULT", 1)[1])
+    assert all(error < 1e-4 for error in found["errors"]), found
+    assert found["calls"] == [1, 1], found  # one failed fused call, then none
+    assert (found["state"], found["code"]) == ("partial", "op-failed"), found
+    assert "taken out of" in result.stderr and "EZ9999" in result.stderr

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from npu_autopatch.kernels import KERNELS, choose_variant, golden_ops
@@ -362,3 +363,14 @@ def test_a_fused_call_that_raises_is_reported_and_the_call_stays_right():
     assert found["calls"] == [1, 1], found  # one failed fused call, then none
     assert (found["state"], found["code"]) == ("partial", "op-failed"), found
     assert "taken out of" in result.stderr and "EZ9999" in result.stderr
+
+
+def test_the_host_copy_is_made_again_for_a_modified_or_new_tensor():
+    ends = attention_kernel._HostEnds(size=2)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    assert ends(cu) == (3, 5)
+    cu[2] = 6  # in place: its version moves on
+    assert ends(cu) == (3, 6)
+    assert ends(torch.tensor([0, 2, 4], dtype=torch.int32)) == (2, 4)
+    assert ends(torch.tensor([0, 1], dtype=torch.int32)) == (1,)
+    assert len(ends._entries) == 2

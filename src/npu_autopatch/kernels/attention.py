@@ -30,6 +30,7 @@ is not copied again, so verl-style ``cu_seq_lens_q/k`` passed to the model cost 
 
 import inspect
 import math
+import threading
 import weakref
 
 import torch
@@ -48,11 +49,13 @@ _VARLEN = (
 
 
 class _HostEnds:
-    """``cu_seqlens[1:]`` as a host tuple, copied once per tensor: keyed by identity and version."""
+    """``cu_seqlens[1:]`` as a host tuple, copied once per tensor: keyed by identity and version (a dead
+    or modified tensor is copied again), the last few kept (a forward has one or two)."""
 
     def __init__(self, size: int = 8) -> None:
         self._size = size
         self._entries: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}
+        self._lock = threading.Lock()  # threads (e.g. pipeline stages) share it
 
     def __call__(self, cu_seqlens: torch.Tensor) -> tuple[int, ...]:
         key = id(cu_seqlens)
@@ -60,9 +63,10 @@ class _HostEnds:
         if entry is not None and entry[0]() is cu_seqlens and entry[1] == cu_seqlens._version:
             return entry[2]
         ends = tuple(cu_seqlens[1:].tolist())  # the one device-to-host copy
-        if len(self._entries) >= self._size:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, ends)
+        with self._lock:
+            if len(self._entries) >= self._size:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, ends)
         return ends
 
 

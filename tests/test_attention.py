@@ -374,3 +374,44 @@ def test_the_host_copy_is_made_again_for_a_modified_or_new_tensor():
     assert ends(torch.tensor([0, 2, 4], dtype=torch.int32)) == (2, 4)
     assert ends(torch.tensor([0, 1], dtype=torch.int32)) == (1,)
     assert len(ends._entries) == 2
+
+
+GENERATE = r"""
+import copy, json
+import torch
+from npu_autopatch.testing import stand_in, tiny
+
+with stand_in() as npu:
+    import npu_autopatch
+
+    npu_autopatch.enable(models=["npu_flash_attention"])
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny.tiny_config("mistral", sliding_window=4)
+    torch.manual_seed(0)
+    fa = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="flash_attention_2")
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    eager.load_state_dict(fa.state_dict())
+    ids = torch.randint(1, cfg.vocab_size, (2, 6))
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    kwargs["pad_token_id"] = 0
+    with torch.no_grad():
+        got, expected = fa.generate(ids, **kwargs), eager.generate(ids, **kwargs)
+    error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got.logits, expected.logits))
+    same = torch.equal(got.sequences, expected.sequences)
+    print("RESULT" + json.dumps({"same": same, "error": error, "fused": npu.calls["npu_fusion_attention"]}))
+"""
+
+
+def test_cached_decoding_keeps_the_window():
+    """Decode steps have Sq = 1 < Skv: the band counts from the bottom-right corner, as eager's window."""
+    result = subprocess.run(
+        [sys.executable, "-c", GENERATE],
+        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    found = json.loads(result.stdout.split("RESULT", 1)[1])
+    assert found["same"] and found["error"] < 1e-4 and found["fused"] == 12, found  # 6 steps, 2 layers

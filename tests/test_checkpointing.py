@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from npu_autopatch._failures import is_op_failure
-from npu_autopatch.models import BUILTIN
+from npu_autopatch.models import MODEL_TYPES
 
 from .conftest import STAND_IN_SITE, run_python
 from .test_parity_models import present
@@ -61,7 +61,7 @@ with stand_in() as npu:
 print(json.dumps(results))
 """
 
-MODELS = sorted(m for m in BUILTIN if present(m))
+MODELS = sorted(m for m in MODEL_TYPES if present(m))
 
 # transformers 4.57's GLM-4V cannot train with checkpointing at all: with the cache off, its text
 # model expands the 3-D mRoPE position ids as 2-D ones. Nothing of ours to compare there.

@@ -49,7 +49,14 @@ print(json.dumps(out))
 
 
 def test_strict_errors_reach_the_user_as_patch_error_through_lazy_imports():
-    out, _ = child_json(STRICT_LAZY, NPU_AUTOPATCH="1", NPU_AUTOPATCH_STRICT="1", PYTHONPATH="")
+    # npu_flash_attention excluded: on 4.57 transformers imports its module first (it would be named).
+    out, _ = child_json(
+        STRICT_LAZY,
+        NPU_AUTOPATCH="1",
+        NPU_AUTOPATCH_STRICT="1",
+        NPU_AUTOPATCH_EXCLUDE="npu_flash_attention",
+        PYTHONPATH="",
+    )
     for name, model in (("top_level", "qwen3"), ("auto", "llama")):
         kind, text, is_import_error = out[name]
         assert kind == "PatchError", (name, out[name])

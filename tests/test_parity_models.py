@@ -22,7 +22,7 @@ import transformers
 
 import npu_autopatch
 from npu_autopatch.kernels import KERNELS, Kernel, choose_variant
-from npu_autopatch.models import BUILTIN, MODELS
+from npu_autopatch.models import MODEL_TYPES, MODELS
 from npu_autopatch.testing import DEFAULT, PROFILES, parity, stand_in, tiny
 from npu_autopatch.testing.parity import (
     TOLERANCE,
@@ -116,8 +116,8 @@ def backward_count(model_type, op):
     return BACKWARD.get(model_type, {}).get(op, EXPECTED[model_type][op])
 
 
-# Every table model has parity here.
-assert set(EXPECTED) == set(BUILTIN)
+# Every table model has parity here (the attention entry has its own: test_attention.py).
+assert set(EXPECTED) == set(MODEL_TYPES)
 
 # Config variants that take another target: DeepSeek-V3 and GLM-4.7-Flash without interleaved
 # rope use the standard apply_rotary_pos_emb.
@@ -423,5 +423,5 @@ def test_every_rotary_target_is_in_the_shape_sweep():
     from npu_autopatch.testing.rope_sweep import _rotary_functions
 
     swept = {model for _where, owners, _function in _rotary_functions() for model in owners}
-    with_rope = {m for m in BUILTIN if "rope" in MODELS[m].kernels and present(m)}
+    with_rope = {m for m in MODEL_TYPES if "rope" in MODELS[m].kernels and present(m)}
     assert with_rope - swept == set()

@@ -838,7 +838,6 @@ FA_UNMODELLED = {
     "dropout": {"keep_prob": 0.9},
     "padding_mask": {"padding_mask": torch.zeros(1, 1, 4, 4, dtype=torch.bool)},
     "prefix": {"prefix": [1]},
-    "sink": {"sink": torch.zeros(2)},
     "dropout_mask": {"dropout_mask": torch.zeros(8, dtype=torch.uint8)},
     "prefix_mode": {"sparse_mode": 5},
     "tnd_full_mask": {**TND, "atten_mask": torch.zeros(6, 6, dtype=torch.bool)},
@@ -856,6 +855,47 @@ FA_UNMODELLED = {
 def test_fusion_attention_unmodelled_paths_refuse(npu: types.ModuleType, kwargs: dict) -> None:
     with pytest.raises(NotImplementedError, match="torch_npu stand-in"):
         fa_call(npu, **kwargs)
+
+
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_fusion_attention_sink_is_an_extra_logit_with_its_gradient(
+    npu: types.ModuleType, layout: str
+) -> None:
+    """op doc: softmax(cat([scale*QK^T, sink]))[..., :-1] @ V, with the band of sparse_mode 4 (GQA 4:2);
+    the grad op returns dsink (7.3.0's schema), which reaches the sink through autograd."""
+    q, k, v = leaf(1, 4, 6, 8), leaf(1, 2, 6, 8), leaf(1, 2, 6, 8)
+    sink = torch.randn(4).requires_grad_()
+    masked = band_masked(6, 6, pre=2, nxt=0)
+    scores = torch.einsum("bnqd,bnkd->bnqk", q, k.repeat_interleave(2, 1)) * 0.5
+    logits = torch.cat(
+        [scores.masked_fill(masked, float("-inf")), sink.view(1, 4, 1, 1).expand(1, 4, 6, 1)], -1
+    )
+    ref = torch.softmax(logits, -1)[..., :-1] @ v.repeat_interleave(2, 1)
+    to_layout, back = (lambda t: t[0].transpose(0, 1), lambda t: t.transpose(0, 1)[None])
+    if layout == "BSND":
+        to_layout, back = (lambda t: t.transpose(1, 2), lambda t: t.transpose(1, 2))
+    extra = {"actual_seq_qlen": [6], "actual_seq_kvlen": [6]} if layout == "TND" else {}
+    out = npu.npu_fusion_attention(
+        *(to_layout(t) for t in (q, k, v)), 4, layout, atten_mask=TRIU_2048, sparse_mode=4,
+        pre_tockens=2, next_tockens=0, scale=0.5, sink=sink, **extra,
+    )[0]  # fmt: skip
+    close(back(out), ref)
+    dy = torch.randn(ref.shape)
+    for actual, expected in zip(
+        grads_of((back(out) * dy).sum(), q, k, v, sink),
+        grads_of((ref * dy).sum(), q, k, v, sink),
+        strict=True,
+    ):
+        close(actual, expected)
+    with pytest.raises(RuntimeError, match="sink must be float32"):
+        fa_call(npu, sink=torch.zeros(2, dtype=torch.bfloat16))
+
+
+def test_fusion_attention_sink_is_refused_before_op_plugin_7_3() -> None:
+    """7.2.0's op_plugin_functions.yaml has no sink: the keyword is unknown to the op."""
+    old = make_torch_npu(profile="a2-2.7.1")
+    with pytest.raises(RuntimeError, match="sink"):
+        fa_call(old, sink=torch.zeros(2))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -134,10 +134,13 @@ def test_env_var_without_torch_npu_warns_once_and_runs_stock():
 
 
 def test_strict_env_turns_a_failure_into_an_import_error_naming_model_and_cause():
+    # qwen3 alone: with every entry, npu_flash_attention fails first (transformers' modeling utilities
+    # import its integration module before any modeling module), naming itself.
     child = run_python(
         "from transformers.models.qwen3 import modeling_qwen3",
         NPU_AUTOPATCH="1",
         NPU_AUTOPATCH_STRICT="1",
+        NPU_AUTOPATCH_MODELS="qwen3",
     )
     assert child.returncode == 1
     assert "npu_autopatch.PatchError" in child.stderr or "PatchError" in child.stderr

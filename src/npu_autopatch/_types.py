@@ -5,7 +5,16 @@ table (models.py), plugins and register() all declare models with these.
 """
 
 # The built-in kernels, in the order they are reported. The kernels package implements them.
-KERNEL_NAMES = ("rms_norm", "gated_rms_norm", "swiglu", "rope", "moe", "gated_delta_rule", "loss")
+KERNEL_NAMES = (
+    "rms_norm",
+    "gated_rms_norm",
+    "swiglu",
+    "rope",
+    "moe",
+    "attention",
+    "gated_delta_rule",
+    "loss",
+)
 # Kernels that change what a forward returns (the loss kernel's ``logits=None``): never on by
 # default nor through ``kernels=``; each has its own switch (enable(loss=True), NPU_AUTOPATCH_LOSS).
 OPT_IN_KERNELS = ("loss",)

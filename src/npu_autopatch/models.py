@@ -257,9 +257,20 @@ MODELS = {
         # gpt-oss: the norm only. Its experts are a clamped SwiGLU with bias on an interleaved
         # [E, H, 2I] layout and its rotary halves cos: no kernel reproduces them.
         Model("gpt_oss", Target("rms_norm", "GptOssRMSNorm.forward")),
+        # Not a model type: transformers' Ascend flash-attention functions, which every model running
+        # attn_implementation="flash_attention_2" on an NPU calls (kernels/attention.py).
+        Model(
+            "npu_flash_attention",
+            Target("attention", "npu_flash_attn_func"),
+            Target("attention", "npu_flash_attn_varlen_func"),
+            module="transformers.integrations.npu_flash_attention",
+        ),
     )
 }
 
 # The models this package ships. MODELS itself is the live registry (``_state.STATE.models``):
 # entry-point plugins and register() add to it, through _control and _plugins only.
 BUILTIN = tuple(MODELS)
+# The entries that are no model type: a module every model calls (no tiny model, no modeling module).
+INTEGRATIONS = frozenset({"npu_flash_attention"})
+MODEL_TYPES = tuple(name for name in BUILTIN if name not in INTEGRATIONS)

@@ -1,9 +1,9 @@
 """The NPU kernels, each written once and named; the model table says where they go.
 
-Each kernel lives in its own module (norm, mlp, rope, moe, linear_attention, loss) as a
-``Kernel`` with one or more variants (see ``_types.Kernel``). The patcher uses the first variant
-whose probe agrees with the stock code, so a target is only ever replaced by code that
-reproduces its math, whatever the class is called.
+Each kernel lives in its own module (norm, mlp, rope, moe, attention, linear_attention,
+loss) as a ``Kernel`` with one or more variants (see ``_types.Kernel``). The patcher uses the
+first variant whose probe agrees with the stock code, so a target is only ever replaced by code
+that reproduces its math, whatever the class is called.
 
 Imported at patch time only: it imports torch, which the modeling module already did.
 """
@@ -11,6 +11,7 @@ Imported at patch time only: it imports torch, which the modeling module already
 from .._types import KERNEL_NAMES, Kernel, Variant
 from . import _fingerprint, _reference
 from ._probe import neutral_torch
+from .attention import ATTENTION
 from .linear_attention import GATED_DELTA_RULE
 from .loss import LOSS
 from .mlp import SWIGLU
@@ -19,7 +20,8 @@ from .norm import GATED_RMS_NORM, RMS_NORM
 from .rope import ROPE
 
 KERNELS = {
-    kernel.name: kernel for kernel in (RMS_NORM, GATED_RMS_NORM, SWIGLU, ROPE, MOE, GATED_DELTA_RULE, LOSS)
+    kernel.name: kernel
+    for kernel in (RMS_NORM, GATED_RMS_NORM, SWIGLU, ROPE, MOE, ATTENTION, GATED_DELTA_RULE, LOSS)
 }
 assert tuple(KERNELS) == KERNEL_NAMES, "kernels and _types.KERNEL_NAMES must list the same kernels"
 _fingerprint.BUILTIN.update((name, kernel.variants) for name, kernel in KERNELS.items())

@@ -140,3 +140,66 @@ def npu_moe_token_unpermute(
     rows = gather_rows(permuted_tokens, sorted_indices).reshape(-1, topk, permuted_tokens.shape[1])
     weights = probs.float() if probs is not None else rows.new_ones(rows.shape[:2])
     return (rows * weights.unsqueeze(-1)).sum(1).to(permuted_tokens.dtype)
+
+
+def _kept(sq, skv, sparse_mode, pre, nxt, device):
+    """The (i, j) that take part under sparse mode 2, 3 or 4 (§6.1 table; Δ = Skv - Sq, i.e. mode 3
+    and 4 count from the bottom-right corner, mode 4 keeps ``i+Δ-pre <= j <= i+Δ+next``)."""
+    i, j = torch.arange(sq, device=device).unsqueeze(1), torch.arange(skv, device=device)
+    if sparse_mode == 2:
+        return j <= i
+    delta = skv - sq
+    if sparse_mode == 3:
+        return j <= i + delta
+    return (j >= i + delta - pre) & (j <= i + delta + nxt)
+
+
+def _attend(q, k, v, scale, keep, sink):
+    """softmax(scale * q @ k^T masked, with the sink's extra logit per head) @ v; [B, S, N, D] in, fp32."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    q, k, v = (t.float().transpose(1, 2) for t in (q, k, v))
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # GQA: head h reads h // group
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if sink is not None:  # the doc's reference: append the sink logit, softmax, drop its column
+        column = sink.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs @ v).transpose(1, 2)
+
+
+def npu_fusion_attention(
+    query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None, scale=1.0,
+    keep_prob=1.0, pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0, prefix=None,
+    actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
+    softmax_layout="", sink=None,
+):  # fmt: skip
+    """The attention output (first of the 7 outputs; the rest are None) for what the attention kernel
+    passes: BSND or TND (cumulative ``actual_seq_*`` ends, each segment on its own), no mask or the
+    compressed mask with sparse mode 2-4, GQA, ``sink`` (torch_npu_ops.md §6.1). The stand-in
+    (testing/device/attention.py) adds the other layouts, the statistics, the backward and the
+    device's checks."""
+    rules = (sparse_mode, pre_tockens, next_tockens) if atten_mask is not None else None
+
+    def one(q, k, v):  # [B, S, N, D]
+        keep = None if rules is None else _kept(q.shape[1], k.shape[1], *rules, q.device)
+        return _attend(q, k, v, scale, keep, sink)
+
+    if input_layout == "BSND":
+        out = one(query, key, value)
+    else:
+        pieces, q0, kv0 = [], 0, 0
+        for q1, kv1 in zip(actual_seq_qlen, actual_seq_kvlen, strict=True):
+            pieces.append(
+                one(
+                    *(
+                        t[a:b].unsqueeze(0)
+                        for t, a, b in ((query, q0, q1), (key, kv0, kv1), (value, kv0, kv1))
+                    )
+                )[0]
+            )
+            q0, kv0 = q1, kv1
+        out = torch.cat(pieces)
+    return (out.to(query.dtype), None, None, None, 0, 0, 0)

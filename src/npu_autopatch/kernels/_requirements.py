@@ -152,3 +152,35 @@ def swiglu_requirement(npu):
         f"npu_swiglu arrived in op-plugin 6.0 (torch_npu {version} has op-plugin {_name(line)}); "
         "needs torch_npu >= 2.2.0 (on the 2.1 line: 2.1.0.post4)"
     )
+
+
+def sink_requirement(npu):
+    """None if npu_fusion_attention takes ``sink`` (attention sinks), else why not.
+
+    ``sink`` arrived in op-plugin 7.3.0, in the forward and in npu_fusion_attention_grad, which
+    returns its gradient from then on (op_plugin_functions.yaml and derivatives.yaml of the 7.3.0
+    branch; 7.2.0 has neither); the op's doc adds that the device needs CANN 8.5.0, which the
+    version does not tell: an older CANN raises at the call ("The param sink is not supported in
+    this CANN version", FlashAttentionKernelNpuOpApi.cpp).
+    """
+    version = getattr(npu, "__version__", None)
+    line = op_plugin_line(version)
+    if line is None:
+        schema = _schema(npu, "npu_fusion_attention")
+        if schema is not None:
+            names = [argument.name for argument in schema.arguments]
+        else:  # a plain function (the probes' reference ops)
+            import inspect
+
+            names = list(inspect.signature(npu.npu_fusion_attention).parameters)
+        if "sink" in names:
+            return None
+        have = f"torch_npu {version!r} (version unreadable; no sink in its npu_fusion_attention)"
+    elif line >= (7, 3):
+        return None
+    else:
+        have = f"torch_npu {version} has op-plugin {_name(line)}"
+    return (
+        f"npu_fusion_attention has no sink before op-plugin 7.3.0 ({have}); needs torch_npu >= 2.9.0 "
+        "(on older PyTorch lines: 2.8.0.post2, 2.7.1.post2, 2.6.0.post5) and CANN >= 8.5.0"
+    )

@@ -28,7 +28,7 @@ from collections import Counter
 
 from .. import _control, _device
 from .._table import columns
-from ..models import MODELS
+from ..models import INTEGRATIONS, MODELS
 
 DTYPES = ("float32", "bfloat16")
 
@@ -284,7 +284,7 @@ def _failed(cases: list[dict]) -> list[dict]:
 def main(args) -> int:
     """The ``verify`` subcommand (arguments parsed in __main__)."""
     _control.discover_plugins()  # installed plugins are verified too
-    models = args.models.split(",") if args.models else list(MODELS)
+    models = args.models.split(",") if args.models else [m for m in MODELS if m not in INTEGRATIONS]
     unknown = [m for m in models if m not in MODELS]
     dtypes = args.dtype.split(",")
     bad_dtypes = [d for d in dtypes if d not in DTYPES]

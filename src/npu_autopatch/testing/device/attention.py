@@ -1,4 +1,4 @@
-"""npu_fusion_attention and its grad: modelled for the attention kernel (issue 18); no kernel calls them yet.
+"""npu_fusion_attention and its grad: the op the attention kernel (kernels/attention.py) calls.
 
 transformers' NPU flash-attention integration (``integrations/npu_flash_attention.py``) calls
 ``torch_npu.npu_fusion_attention`` when a model runs ``attn_implementation="flash_attention_2"`` on an
@@ -210,6 +210,16 @@ def _fa_check_options(
     )
 
 
+def _fa_check_sink(name: str, sink: Tensor | None, heads: int) -> None:
+    """``sink``: float32 of shape [head_num] (op doc, torch_npu-npu_fusion_attention.md). Only profiles whose
+    schema has it get here with one (op-plugin 7.3.0 onwards); older ones refuse the keyword."""
+    if sink is not None:
+        check(
+            sink.dtype == torch.float32 and tuple(sink.shape) == (heads,),
+            f"{name}: sink must be float32 [head_num={heads}], got {sink.dtype} {tuple(sink.shape)}",
+        )
+
+
 def _fa_rule(sq: int, skv: int, mode: int, pre: int, nxt: int) -> Tensor:
     """The kept (i, j) of one batch under sparse mode 0 (the band only) or 2-4 (§6.1 table), Δ = Skv - Sq."""
     i, j, delta = torch.arange(sq).unsqueeze(1), torch.arange(skv), skv - sq
@@ -336,18 +346,33 @@ def _fa_scores(q: Tensor, k: Tensor, pse: Tensor | None, scale: float, keep: Ten
     return s if keep is None else s.masked_fill(~keep, float("-inf"))
 
 
+def _fa_sink(sink: Tensor) -> Tensor:
+    """The sink logit per head, broadcastable to the [B, N, Sq] row statistics."""
+    return sink.float().view(1, -1, 1)
+
+
 def _fa_forward(
-    geo: _FaGeometry, keep: Tensor | None, scale: float, q: Tensor, k: Tensor, v: Tensor, pse: Tensor | None
+    geo: _FaGeometry,
+    keep: Tensor | None,
+    scale: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pse: Tensor | None,
+    sink: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [B,N,Sq,Dv], row max, row sum of exp(s - max)), all fp32.
 
     A fully masked row gives out 0 (flash-attn semantics; the device's result there is UNKNOWN without
-    inner_precise=2), max -inf and sum 0.
+    inner_precise=2), max -inf and sum 0. With ``sink`` each row has one more, unscaled logit whose column is
+    dropped (the op doc's reference: ``softmax(cat([scale*QK^T, sink]))[..., :-1] @ V``); the statistics then
+    take it in (max over the scores and the sink, its exp in the sum): what the device stores there is
+    UNKNOWN, this is what keeps the stand-in's backward consistent with its forward.
     """
     s = _fa_scores(_fa_heads(q, geo, geo.heads), _fa_kv(k, geo), pse, scale, keep)
-    row_max = s.amax(-1)
+    row_max = s.amax(-1) if sink is None else torch.maximum(s.amax(-1), _fa_sink(sink))
     e = torch.exp(s - torch.where(row_max.isneginf(), 0.0, row_max).unsqueeze(-1))
-    row_sum = e.sum(-1)
+    row_sum = e.sum(-1) if sink is None else e.sum(-1) + torch.exp(_fa_sink(sink) - row_max)
     p = e / torch.where(row_sum > 0, row_sum, 1.0).unsqueeze(-1)
     return p @ _fa_kv(v, geo), row_max, row_sum
 
@@ -391,9 +416,14 @@ def _fa_backward(
     out: Tensor,
     row_max: Tensor,
     row_sum: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    sink: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Flash-attention backward from the saved statistics, as the kernel computes it: P is rebuilt from
-    softmax_max/softmax_sum and rowsum(dy * out) comes from attention_in, not from a recomputation."""
+    softmax_max/softmax_sum and rowsum(dy * out) comes from attention_in, not from a recomputation.
+
+    The sink's gradient: its probability p_sink = exp(sink - max) / sum takes part in every row's
+    normalisation, so d loss / d sink[h] = -sum over batches and rows of p_sink * rowsum(dy * out), fp32 [N]
+    (the grad op returns dsink shaped and typed as sink: FlashAttentionKernelNpuOpApi.cpp)."""
     q, k, v, pse = tensors
     qf, kf, vf = _fa_heads(q, geo, geo.heads), _fa_kv(k, geo), _fa_kv(v, geo)
     live = (row_sum > 0).unsqueeze(-1)  # fully masked rows have sum 0 and P = 0
@@ -403,12 +433,16 @@ def _fa_backward(
     )
     dyf, outf = _fa_heads(dy, geo, geo.heads), _fa_heads(out, geo, geo.heads)
     dp = dyf @ vf.transpose(-1, -2)
-    ds = p * (dp - (dyf * outf).sum(-1, keepdim=True)) * scale  # gradient w.r.t. q @ k^T + pse
+    row_dot = (dyf * outf).sum(-1)
+    ds = p * (dp - row_dot.unsqueeze(-1)) * scale  # gradient w.r.t. q @ k^T + pse
     dq = _fa_to_layout(ds @ kf, geo, q.dtype)
     dk = _fa_kv_grad(ds.transpose(-1, -2) @ qf, geo, k.dtype)
     dv = _fa_kv_grad(p.transpose(-1, -2) @ dyf, geo, v.dtype)
     dpse = None if pse is None else ds.sum_to_size(pse.shape).to(pse.dtype)
-    return dq, dk, dv, dpse
+    if sink is None:
+        return dq, dk, dv, dpse, None
+    p_sink = torch.where(live.squeeze(-1), torch.exp(_fa_sink(sink) - row_max) / row_sum, 0.0)
+    return dq, dk, dv, dpse, -(p_sink * row_dot).sum((0, 2))
 
 
 def fusion_attention(
@@ -458,14 +492,14 @@ def fusion_attention(
     unmodelled = {
         "padding_mask": padding_mask,  # documented as "not supported yet"
         "prefix": prefix,
-        "sink": sink,
         "dropout_mask": dropout_mask,
     }
     geo, keep = _fa_prepare(
         name, query, key, value, head_num, input_layout, pse, atten_mask, options, unmodelled
     )
+    _fa_check_sink(name, sink, geo.heads)
     numels = _fa_numels(geo, head_num, actual_seq_qlen, actual_seq_kvlen)
-    out, row_max, row_sum = _fa_forward(geo, keep, float(scale), query, key, value, pse)
+    out, row_max, row_sum = _fa_forward(geo, keep, float(scale), query, key, value, pse, sink)
     return (
         _fa_to_layout(out, geo, query.dtype),
         _fa_pack_stats(row_max, geo, softmax_layout),
@@ -511,10 +545,10 @@ def fusion_attention_grad(
 ) -> tuple[Tensor, ...]:
     """Backward of npu_fusion_attention: (dq, dk, dv, dpse[, dsink]), each in its input's dtype and shape.
 
-    dpse is None without pse, as the C++ adapter returns an undefined tensor, and dsink (op-plugin
-    >= 26.1.0 returns it) is None: sink is not modelled. The forward's softmax_max, softmax_sum and
-    attention_out are required: the gradient is built from them, as on the device. softmax_in is the
-    reserved empty tensor and is not read.
+    dpse is None without pse, as the C++ adapter returns an undefined tensor; dsink (op-plugin >= 7.3.0
+    returns it: its schema has five outputs) is the sink's gradient, None without a sink. The forward's
+    softmax_max, softmax_sum and attention_out are required: the gradient is built from them, as on the
+    device. softmax_in is the reserved empty tensor and is not read.
     """
     name = "npu_fusion_attention_grad"
     options = {
@@ -527,7 +561,7 @@ def fusion_attention_grad(
         "sparse_mode": sparse_mode,
         "softmax_layout": softmax_layout,
     }
-    unmodelled = {"padding_mask": padding_mask, "prefix": prefix, "sink": sink}
+    unmodelled = {"padding_mask": padding_mask, "prefix": prefix}
     geo, keep = _fa_prepare(
         name, query, key, value, head_num, input_layout, pse, atten_mask, options, unmodelled
     )
@@ -542,10 +576,13 @@ def fusion_attention_grad(
             tuple(t.shape) == expected and t.dtype == query.dtype,
             f"{name}: {label} must be {query.dtype} {list(expected)}, got {t.dtype} {tuple(t.shape)}",
         )
+    _fa_check_sink(name, sink, geo.heads)
     row_max = _fa_unpack_stats(name, "softmax_max", softmax_max, geo, softmax_layout)
     row_sum = _fa_unpack_stats(name, "softmax_sum", softmax_sum, geo, softmax_layout)
-    grads = _fa_backward(geo, keep, scale_value, (query, key, value, pse), dy, attention_in, row_max, row_sum)
-    return grads if "sink" not in profile.schemas["npu_fusion_attention_grad"] else (*grads, None)
+    grads = _fa_backward(
+        geo, keep, scale_value, (query, key, value, pse), dy, attention_in, row_max, row_sum, sink
+    )
+    return grads if "sink" in profile.schemas["npu_fusion_attention_grad"] else grads[:4]
 
 
 def _fake_fusion_attention(
@@ -617,7 +654,10 @@ def _fake_fusion_attention_grad(
         fake_like(value),
         None if pse is None else fake_like(pse),
     )
-    return grads if "sink" not in profile.schemas["npu_fusion_attention_grad"] else (*grads, None)
+    if "sink" not in profile.schemas["npu_fusion_attention_grad"]:
+        return grads
+    sink = args[-1] if args else None  # the last argument of the grad's schema
+    return (*grads, None if sink is None else fake_like(sink))
 
 
 OP_DEFS: dict[str, OpDef] = {

@@ -66,6 +66,7 @@ def _rotary_mul(grad_op: Callable[..., Any], backward_name: str) -> Formula:
 # npu_fusion_attention's arguments in schema order, and those its grad op takes as keywords.
 _FA_INPUTS = ("query", "key", "value", "head_num", "input_layout", *FA_OPTION_NAMES)
 _FA_TO_GRAD = {"scale": "scale_value"}
+_FA_SINK = _FA_INPUTS.index("sink")
 
 
 def _fusion_attention(grad_op: Callable[..., Any], backward_name: str) -> Formula:
@@ -97,6 +98,8 @@ def _fusion_attention(grad_op: Callable[..., Any], backward_name: str) -> Formul
         dq, dk, dv, dpse = grads[:4]
         result = [None] * ctx.n_inputs
         result[0], result[1], result[2], result[5] = dq, dk, dv, dpse
+        if len(grads) > 4 and ctx.n_inputs > _FA_SINK:  # derivatives.yaml (7.3.0 on): sink gets grads[4]
+            result[_FA_SINK] = grads[4]
         return tuple(result)
 
     return setup, backward

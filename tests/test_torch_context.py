@@ -88,7 +88,7 @@ def same_state(before, after):
 def test_every_torch_context_patches_every_target_and_leaves_the_state_alone(context, npu_stand_in):
     with CONTEXTS[context]():
         before = user_state()
-        npu_autopatch.enable(models=list(CHECKED))
+        npu_autopatch.enable(models=list(CHECKED), loss=True)  # every target, the opt-in loss too
         after = user_state()
     assert same_state(before, after), (before, after)
     report = npu_autopatch.status()

@@ -15,8 +15,7 @@ def test_the_plugin_is_discovered_from_its_entry_point():
 def test_patched_helium_matches_stock(dtype, npu_stand_in):
     report = check_parity("helium", dtype, npu=npu_stand_in)
     assert report.state == "applied", report.reason
-    assert report.kernels == ("rms_norm", "swiglu", "rope")
+    assert report.kernels == ("rms_norm", "swiglu")
     assert report.ops_called["npu_rms_norm"] == 5  # two per layer and the final norm
     assert report.ops_called["npu_swiglu_backward"] == 2
-    assert report.ops_called["npu_rotary_mul"] == report.ops_called["npu_rotary_mul_backward"] == 4  # q, k
     assert report.passed, report

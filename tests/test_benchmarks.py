@@ -12,6 +12,10 @@ import pytest
 
 from .conftest import ROOT, child_env
 
+# Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
+pytestmark = pytest.mark.full
+
+
 BENCHMARKS = ROOT / "benchmarks"
 
 # script -> a line of its table (a regular expression, matched against each printed line)

@@ -4,9 +4,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from npu_autopatch.testing import DEFAULT
 
 from .conftest import ROOT, child_env
+
+# Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
+pytestmark = pytest.mark.full
 
 DENSE = ["llama", "mistral", "qwen2", "qwen3"]
 

@@ -16,6 +16,9 @@ from npu_autopatch._state import STATE
 
 from .conftest import STAND_IN_SITE, run_python
 
+# Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
+pytestmark = pytest.mark.full
+
 DISCOVERED = ("exaone4", "doge", "diffllama")
 
 

@@ -9,7 +9,13 @@ interpreter, each on a modeling module not imported before.
 
 import json
 
+import pytest
+
 from .conftest import STAND_IN_SITE, run_python
+
+# Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
+pytestmark = pytest.mark.full
+
 
 PRELUDE = """
 import importlib, json, sys

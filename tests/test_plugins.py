@@ -12,6 +12,10 @@ from npu_autopatch import Kernel, Model, Target, Variant, models
 
 from .conftest import STAND_IN_SITE, run_python
 
+# Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
+pytestmark = pytest.mark.full
+
+
 # A model type outside the built-in table (its norm and MLP: enough for the mechanism tested here).
 HELIUM = (
     Target("rms_norm", "HeliumRMSNorm.forward"),

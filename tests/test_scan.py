@@ -13,6 +13,7 @@ import stat
 import sys
 import textwrap
 
+import pytest
 import torch
 import transformers
 
@@ -21,6 +22,10 @@ from npu_autopatch.testing.parity import ParityReport, compare
 from npu_autopatch.tools import scan
 
 from .conftest import run_python
+
+# Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
+pytestmark = pytest.mark.full
+
 
 V4 = int(transformers.__version__.split(".")[0]) < 5
 

@@ -10,6 +10,10 @@ from npu_autopatch.models import MODELS
 
 from .conftest import ROOT, STAND_IN_SITE, run_python
 
+# Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
+pytestmark = pytest.mark.full
+
+
 STATE_AT_START = """
 import json, sys
 HEAVY = ("wrapt", "torch", "transformers", "logging", "typing", "dataclasses", "asyncio")

@@ -5,7 +5,13 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT, STAND_IN_SITE, child_env
+
+# Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
+pytestmark = pytest.mark.full
+
 
 WORKER = """
 import datetime, json, logging, os, sys

@@ -5,9 +5,14 @@ import re
 import subprocess
 import sys
 
+import pytest
 import transformers
 
 from .conftest import ROOT, STAND_IN_SITE, child_env, run_python
+
+# Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
+pytestmark = pytest.mark.full
+
 
 SIMULATE = ["verify", "--device", "cpu", "--simulate"]
 

@@ -10,8 +10,6 @@ import importlib
 
 import pytest
 import torch
-from torch.utils.data import Dataset
-from transformers import Trainer, TrainingArguments
 
 import npu_autopatch
 from npu_autopatch import _config, _control
@@ -19,6 +17,8 @@ from npu_autopatch.kernels import KERNELS, choose_variant
 from npu_autopatch.kernels import loss as loss_kernel
 from npu_autopatch.models import MODELS
 from npu_autopatch.testing.parity import tiny_model
+
+from .test_trainers import trainer_losses
 
 LOSS_MODELS = sorted(t for t, m in MODELS.items() if "loss" in m.kernels)
 TOLERANCE = {torch.float32: (1e-4, 1e-6), torch.bfloat16: (2e-2, 2**-6)}
@@ -166,49 +166,15 @@ def test_a_head_with_hooks_of_its_own_takes_the_stock_forward_once(npu_stand_in)
     assert out.logits is not None and seen == [(*ids.shape, model.config.hidden_size)]
 
 
-class _Tokens(Dataset):
-    def __init__(self, vocab, rows=8, length=12):
-        generator = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (rows, length), generator=generator)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        labels = self.ids[i].clone()
-        labels[: 2 + i % 3] = -100  # prompts of different lengths: num_items_in_batch matters
-        return {"input_ids": self.ids[i], "labels": labels}
-
-
-def _trainer_losses(model_type, tmp_path):
-    model = tiny_model(model_type)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(model.config.vocab_size))
-    trainer.train()
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-
-
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
 def test_trainer_gives_the_same_losses_step_by_step(model_type, tmp_path, npu_stand_in, monkeypatch):
-    stock = _trainer_losses(model_type, tmp_path / "stock")
+    stock = trainer_losses(tiny_model(model_type), tmp_path / "stock", prompts=True)
     npu_autopatch.enable(models=[model_type], kernels=[], loss=True)
     calls = []
     chunked = loss_kernel.linear_cross_entropy
     counted = lambda *a, **k: calls.append(k) or chunked(*a, **k)  # noqa: E731
     monkeypatch.setattr(loss_kernel, "linear_cross_entropy", counted)
-    patched = _trainer_losses(model_type, tmp_path / "patched")
+    patched = trainer_losses(tiny_model(model_type), tmp_path / "patched", prompts=True)
     assert npu_autopatch.status()[model_type].kernels == ("loss",)
     assert len(stock) == len(patched) == 4
     # Every micro-batch took the chunked loss, divided by the accumulation's token count.

@@ -18,18 +18,44 @@ from npu_autopatch.testing.parity import tiny_model
 STEPS = 4
 
 
-class _Tokens(Dataset):
-    """Fixed random sequences, labels = inputs (the model shifts them): a causal-LM epoch."""
+class Tokens(Dataset):
+    """Fixed random sequences, labels = inputs (the model shifts them): a causal-LM epoch. With
+    ``prompts``, each row's first 2-4 labels are -100, so ``num_items_in_batch`` matters."""
 
-    def __init__(self, vocab, rows=8, length=12):
+    def __init__(self, vocab, rows=8, length=12, prompts=False):
         generator = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, vocab, (rows, length), generator=generator)
+        self.prompts = prompts
 
     def __len__(self):
         return len(self.ids)
 
     def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        labels = self.ids[i].clone()
+        if self.prompts:
+            labels[: 2 + i % 3] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def trainer_losses(model, tmp_path, prompts=False, **arguments):
+    """The loss of each of STEPS logged steps of an HF Trainer run (2 x 2 accumulated micro-batches)."""
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        **arguments,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(model.config.vocab_size, prompts=prompts))
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 def _losses(model_type, tmp_path, reentrant, lora=False):
@@ -39,24 +65,12 @@ def _losses(model_type, tmp_path, reentrant, lora=False):
 
         model.enable_input_require_grads()  # frozen embeddings: reentrant checkpoints need a grad input
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=STEPS,
-        learning_rate=1e-3,
-        logging_steps=1,
+    return trainer_losses(
+        model,
+        tmp_path,
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": reentrant},
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(model.config.vocab_size))
-    trainer.train()
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 @pytest.mark.parametrize(

@@ -86,12 +86,22 @@ def _stock_mask(stock):
     return names["get_attn_mask_npu"], names["SPARSE_MODE"]
 
 
-def _mask_options(device, causal, pre, nxt, get_mask, causal_mode):
+def _fused_options(device, causal, pre, nxt, s_aux, get_mask, causal_mode):
+    """npu_fusion_attention's mask keywords for this band, and the sink when there is one."""
     if pre == _UNBOUNDED and nxt == _UNBOUNDED:
-        return {}  # full attention: no mask
-    if causal and pre == _UNBOUNDED:
-        return {"atten_mask": get_mask(device), "sparse_mode": causal_mode}  # what stock passes
-    return {"atten_mask": get_mask(device), "sparse_mode": _BAND, "pre_tockens": pre, "next_tockens": nxt}
+        options = {}  # full attention: no mask
+    elif causal and pre == _UNBOUNDED:
+        options = {"atten_mask": get_mask(device), "sparse_mode": causal_mode}  # what stock passes
+    else:
+        options = {
+            "atten_mask": get_mask(device),
+            "sparse_mode": _BAND,
+            "pre_tockens": pre,
+            "next_tockens": nxt,
+        }
+    if s_aux is not None:
+        options["sink"] = s_aux.float()
+    return options
 
 
 def _unfused(q, k, v, scale, pre, nxt, sink, softcap, dropout_p):
@@ -134,9 +144,7 @@ def _build_dense(stock, npu, on_error):
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         pre, nxt = _band(causal, window_size)
         if softcap is None and not failed and (s_aux is None or fused_sink):
-            options = _mask_options(q.device, causal, pre, nxt, get_mask, causal_mode)
-            if s_aux is not None:
-                options["sink"] = s_aux.float()
+            options = _fused_options(q.device, causal, pre, nxt, s_aux, get_mask, causal_mode)
             try:
                 return npu.npu_fusion_attention(
                     q, k, v, q.shape[2], "BSND", keep_prob=1.0 - dropout_p, scale=scale, **options
@@ -163,9 +171,7 @@ def _build_varlen(stock, npu, on_error):
         ends_q = HOST_ENDS(cu_seqlens_q)
         ends_k = ends_q if cu_seqlens_k is cu_seqlens_q else HOST_ENDS(cu_seqlens_k)
         if softcap is None and not failed and (s_aux is None or fused_sink):
-            options = _mask_options(q.device, causal, pre, nxt, get_mask, causal_mode)
-            if s_aux is not None:
-                options["sink"] = s_aux.float()
+            options = _fused_options(q.device, causal, pre, nxt, s_aux, get_mask, causal_mode)
             try:
                 return npu.npu_fusion_attention(
                     q, k, v, q.shape[1], "TND", keep_prob=1.0 - dropout_p, scale=scale,

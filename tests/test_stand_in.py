@@ -1064,3 +1064,16 @@ def test_token_permute_unpermute_autograd(npu: types.ModuleType) -> None:
     assert (
         npu.calls["npu_moe_token_permute_grad_v2"] == 1 and npu.calls["npu_moe_token_unpermute_grad_v2"] == 1
     )
+
+
+def test_a_kernel_keeps_its_own_dtypes_under_the_callers_autocast(npu):
+    """The device computes below autocast: under a CPU bf16 autocast (a Trainer's mixed precision),
+    npu_fusion_attention still returns its softmax statistics in fp32, and its backward, which checks
+    them, runs. The stand-in once ran its kernels under the caller's autocast and failed here."""
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, softmax_max, softmax_sum, *_ = npu.npu_fusion_attention(q, k, v, 2, "BSND", scale=0.25)
+    assert out.dtype == torch.bfloat16
+    assert softmax_max.dtype == softmax_sum.dtype == torch.float32
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))

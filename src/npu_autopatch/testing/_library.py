@@ -69,9 +69,11 @@ class Registration:
         def kernel(*args: Any, **kwargs: Any) -> Any:
             for module in list(modules):
                 module.calls[name] += 1
-            # The device computes below autograd: whatever happens here records no graph. Its outputs
-            # are fresh contiguous allocations, as the fake kernels say.
-            with torch.no_grad():
+            # The device computes below autograd and below autocast: whatever happens here records no
+            # graph, and the kernel's own arithmetic and output dtypes are the op's, not the caller's
+            # autocast policy (a CPU autocast would otherwise round its fp32 statistics to bf16). Its
+            # outputs are fresh contiguous allocations, as the fake kernels say.
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
                 result = impl(profile, *values_of(args, kwargs))
             return _contiguous(result)
 

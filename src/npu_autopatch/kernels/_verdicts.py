@@ -15,10 +15,14 @@ VERDICTS = {
     "gated_delta_rule": {
         "03d12d21f6e63a199eae54de": "decoder-layer",
         "30b559168c6420536c4d6197": "decoder-layer",
+        "485fe4e2b1399899cf42a91e": "chunk-scan",
         "61e1e868b1b4550ebfe47441": "decoder-layer",
+        "6319cf4e4f5529167b41d6a3": "chunk-scan",
         "64760833b6bded88db6e982f": "decoder-layer",
         "9d1aa0d5e69631ffc608d71d": "decoder-layer",
+        "a54c8ee736f99b30722be32d": "chunk-scan",
         "cec1ce774820d54fe9af17a7": "decoder-layer",
+        "e29bb43199d098cff09950c3": "chunk-scan",
     },
     "gated_rms_norm": {
         "050d98125e370ca059a87373": "silu",

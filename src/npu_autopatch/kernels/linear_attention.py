@@ -24,8 +24,20 @@ Everything else is the stock layer, unchanged: a full-attention layer, a call wi
 a call being compiled (the documents are found from tensor values, which a graph cannot hold).
 A packed call with a cache (5.x creates one whenever ``use_cache`` is on, as in a trainer's
 forward) keeps the documents apart too and leaves the layer's cache entry as it was: a packed
-row has no one state to continue from. The replacement calls no torch_npu op, so it never
-reports an ``on_error``.
+row has no one state to continue from. The layer replacement calls no torch_npu op, so it
+never reports an ``on_error``.
+
+Two targets, one kernel, a variant each (status() names the one each target runs):
+
+- ``chunk-scan`` replaces the module's ``torch_chunk_gated_delta_rule`` (every prompt and
+  training row, packed or not) with ``gated_delta_scan``: the same math with the loop over
+  64-token chunks replaced by a log2(chunks)-level associative scan (8k tokens: 11x fewer ops
+  per layer, forward + backward; benchmarks/linear_attention.py). 4.x binds the function to
+  each mixer at init: a mixer built before enable() adopts the scan at its layer's first call;
+  one built while enabled keeps it after disable() (the same math, not stock's code). A call
+  with ``cu_seqlens`` gets stock's answer. If the scan raises on the device (``solve_triangular``
+  on an NPU is unsourced), that call runs stock and ``on_error`` takes the scan out.
+- ``decoder-layer`` replaces the layer's forward to keep packed documents apart (below).
 
 The probe runs the stock layer with a stand-in causal mixer that does leak across documents
 (a running sum and a one-token shift, as the conv window and the state would) and checks
@@ -33,10 +45,25 @@ that the candidate gives stock's own result unpacked, and, packed, what stock gi
 document alone, with boundaries from ``position_ids`` and from ``cu_seq_lens_q``.
 """
 
+import sys
+
 import torch
 
 from .._types import Kernel, Variant
-from ._probe import agree_strict, first_disagreement, generator, instance, linear, randn
+from ._probe import (
+    agree_strict,
+    first_disagreement,
+    generator,
+    instance,
+    linear,
+    parameters,
+    randn,
+)
+from .gated_delta_scan import chunk_gated_delta_rule
+
+# The module function every Gated DeltaNet mixer calls for a prompt or a training row (4.x binds
+# it to each mixer at init as ``chunk_gated_delta_rule``).
+CHUNK_FUNCTION = "torch_chunk_gated_delta_rule"
 
 
 def document_starts(
@@ -83,15 +110,82 @@ def mix_documents(
     return mixed[valid].reshape(batch, length, -1)
 
 
+def _is_chunk_rule(stock) -> bool:
+    return "chunk_size" in (parameters(stock) or ())
+
+
+def _build_chunk_scan(stock, npu, on_error):
+    """``torch_chunk_gated_delta_rule`` with the chunks scanned in log2(chunks) batched steps."""
+
+    def torch_chunk_gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
+        args = (query, key, value, g, beta, chunk_size, initial_state, output_final_state)
+        if kwargs.get("cu_seqlens") is not None:
+            # Stock's own answer (fla's packed kernel, else its ValueError): the decoder layer
+            # never passes them, it lays the documents out as rows.
+            return stock(*args, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+        try:
+            return chunk_gated_delta_rule(*args, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        except Exception as exc:  # an op the device cannot take: stock for this call, and on_error
+            on_error(exc, query, key, value)
+            return stock(*args, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+
+    return torch_chunk_gated_delta_rule
+
+
+def _probe_chunk_scan(stock, candidate):
+    if not _is_chunk_rule(stock):
+        return "not a chunked gated delta rule (no chunk_size parameter)"
+    gen = generator()
+    batch, tokens, heads, key_dim, value_dim = 2, 11, 2, 4, 3
+    query, key = randn(gen, batch, tokens, heads, key_dim), randn(gen, batch, tokens, heads, key_dim)
+    value = randn(gen, batch, tokens, heads, value_dim)
+    g = -randn(gen, batch, tokens, heads).abs()
+    beta = randn(gen, batch, tokens, heads).sigmoid()
+    state = randn(gen, batch, heads, key_dim, value_dim)
+
+    def run(function, **kwargs):
+        # Chunks of 4: 11 tokens are three chunks, the last one padded; the scan pairs chunks.
+        return lambda: function(query, key, value, g=g, beta=beta, chunk_size=4, **kwargs)
+
+    return first_disagreement(
+        *(
+            agree_strict(
+                run(stock, output_final_state=True, **kwargs),
+                run(candidate, output_final_state=True, **kwargs),
+            )
+            for kwargs in (
+                {"use_qk_l2norm_in_kernel": True},
+                {"initial_state": state, "use_qk_l2norm_in_kernel": True},
+                {},
+            )
+        )
+    )
+
+
 def _build_decoder_layer(stock, npu, on_error):
     # 5.x's GradientCheckpointingLayer wraps each layer class's forward and checkpoints only when
     # that wrapper is the class's forward: the replacement is wrapped the same way, around the
     # stock layer without its wrapper, or checkpointing would silently stop.
     checkpointing_layer = _checkpointing_base(stock)
     layer = stock.__wrapped__ if checkpointing_layer is not None else stock
+    # The modeling module's namespace (4.x decorates the forward: its __globals__ are the decorator's).
+    namespace = vars(sys.modules[layer.__module__])
 
     def forward(self, hidden_states, *args, **kwargs):
         mixer = getattr(self, "linear_attn", None)
+        if mixer is not None:
+            _adopt_chunk_function(mixer, namespace)
         attention_mask = kwargs.get("attention_mask")
         if (
             mixer is None
@@ -120,6 +214,15 @@ def _build_decoder_layer(stock, npu, on_error):
     return type("PackedDecoderLayer", (checkpointing_layer,), {"forward": forward}).forward
 
 
+def _adopt_chunk_function(mixer, namespace) -> None:
+    """A 4.x mixer built before the chunk scan was patched in keeps stock's function (bound at
+    init): it takes the module's current one, as a mixer built now would."""
+    bound = mixer.__dict__.get("chunk_gated_delta_rule")
+    current = namespace.get(CHUNK_FUNCTION)
+    if bound is not None and bound is not current and bound is getattr(current, "__wrapped__", None):
+        mixer.chunk_gated_delta_rule = current
+
+
 def _checkpointing_base(stock):
     """5.x's GradientCheckpointingLayer when ``stock`` is the forward it wrapped, else None."""
     if getattr(getattr(stock, "__code__", None), "co_name", "") != "forward_with_checkpointing":
@@ -137,6 +240,8 @@ class _LeakyCausalMixer(torch.nn.Module):
 
 
 def _probe_decoder_layer(stock, candidate):
+    if _is_chunk_rule(stock):
+        return "a gated delta rule function, not a decoder layer"
     gen = generator()
     width = 8
     layer = instance(
@@ -179,5 +284,8 @@ def _probe_decoder_layer(stock, candidate):
 GATED_DELTA_RULE = Kernel(
     "gated_delta_rule",
     (),
-    (Variant("decoder-layer", _build_decoder_layer, _probe_decoder_layer),),
+    (
+        Variant("chunk-scan", _build_chunk_scan, _probe_chunk_scan),
+        Variant("decoder-layer", _build_decoder_layer, _probe_decoder_layer),
+    ),
 )

@@ -29,7 +29,7 @@ from npu_autopatch.testing.parity import (
     tiny_model,
 )
 
-from .conftest import present
+from .conftest import FULL, ROOT, present, run_python
 
 MODELS = [m for m in ("qwen3_5", "qwen3_5_moe", "qwen3_next") if present(m)]
 # Not in the table: their linear-attention decoder layers are found by discovery.
@@ -400,3 +400,55 @@ def test_a_mixer_built_before_enable_runs_the_chunk_scan(npu_stand_in, model_typ
         assert getattr(mixer, "chunk_gated_delta_rule", scan) is scan
     finally:
         npu_autopatch.disable()
+
+
+FLA_STAND_IN = ROOT / "src" / "npu_autopatch" / "testing" / "fla_stand_in"
+
+
+@FULL
+def test_fla_is_used_when_installed_and_gated_by_version():
+    """With an fla that has an Ascend backend (the stand-in, on sys.path before the model is
+    imported), the chunk target takes fla's kernel, probed against transformers' torch function,
+    and packed documents still match each run alone; an fla without one leaves the chunk scan."""
+    result = run_python(
+        f"""
+        import sys
+        sys.path.insert(0, {str(FLA_STAND_IN)!r})
+        import fla, torch, npu_autopatch
+        from npu_autopatch.kernels import _fingerprint
+        from npu_autopatch.testing import stand_in
+        from npu_autopatch.testing.parity import tiny_model
+
+        def variant():
+            record = npu_autopatch.status()["qwen3_next"]
+            return next(v for k, v in record.variants.items() if k.endswith(":torch_chunk_gated_delta_rule"))
+
+        def logits(model, docs, **kwargs):
+            return torch.cat([model(input_ids=d, use_cache=False, **kwargs).logits for d in docs], 1)
+
+        with stand_in():
+            model = tiny_model("qwen3_next")
+            gen = torch.Generator().manual_seed(0)
+            docs = [torch.randint(0, 64, (1, n), generator=gen) for n in (70, 20)]
+            position_ids = torch.cat([torch.arange(d.shape[1]) for d in docs])[None]
+            npu_autopatch.enable(models=["qwen3_next"], kernels=["gated_delta_rule"])
+            alone = logits(model, docs)
+            calls = fla.CALLS["chunk_gated_delta_rule"]
+            together = logits(model, [torch.cat(docs, 1)], position_ids=position_ids)
+            error = ((together - alone).norm() / alone.norm()).item()
+            print("fla", variant(), fla.CALLS["chunk_gated_delta_rule"] > calls, error)
+            npu_autopatch.disable()
+            fla.__version__ = "0.5.1"
+            _fingerprint.forget()
+            npu_autopatch.enable(models=["qwen3_next"], kernels=["gated_delta_rule"])
+            print("old", variant())
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    lines = dict(
+        line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("fla ", "old "))
+    )
+    name, called, error = lines["fla"].split()
+    assert (name, called) == ("fla", "True")
+    assert float(error) <= 1e-5
+    assert lines["old"] == "chunk-scan"

@@ -37,6 +37,14 @@ Two targets, one kernel, a variant each (status() names the one each target runs
   one built while enabled keeps it after disable() (the same math, not stock's code). A call
   with ``cu_seqlens`` gets stock's answer. If the scan raises on the device (``solve_triangular``
   on an NPU is unsourced), that call runs stock and ``on_error`` takes the scan out.
+- ``fla``, tried first: when an fla with an Ascend backend (>= 0.5.2, ``FLA_ASCEND_SINCE``) is
+  installed, the same target calls ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, probed
+  against transformers' torch function (the shipped verdicts were made without fla: with one
+  installed the targets are probed live). The probe runs on the CPU: an fla whose kernels only
+  run on the device is refused as unverified and the chunk scan runs (the fla path is exercised
+  through the stand-in in ``testing/fla_stand_in``). If fla raises in a call, that call gets
+  the chunk scan and ``on_error`` puts the stock function back (on 5.x, transformers' wrapper,
+  which calls fla itself).
 - ``decoder-layer`` replaces the layer's forward to keep packed documents apart (below).
 
 The probe runs the stock layer with a stand-in causal mixer that does leak across documents
@@ -112,6 +120,95 @@ def mix_documents(
 
 def _is_chunk_rule(stock) -> bool:
     return "chunk_size" in (parameters(stock) or ())
+
+
+# The first fla release with an Ascend (triton_ascend) backend for the gated delta rule
+# (fla/ops/gated_delta_rule/backends/triton_ascend/; /work/shared/reference/next_kernels.md).
+FLA_ASCEND_SINCE = (0, 5, 2)
+
+
+def _fla_rule():
+    """fla's chunk_gated_delta_rule when an fla with an Ascend backend is installed, else why not."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is None:
+        return None, "fla is not installed"
+    import fla
+
+    version = getattr(fla, "__version__", "0")
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
+    if parts < FLA_ASCEND_SINCE:
+        return None, f"fla {version} has no Ascend backend (first in {'.'.join(map(str, FLA_ASCEND_SINCE))})"
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as rule
+
+    return rule, None
+
+
+def _build_fla(stock, npu, on_error):
+    """fla's kernel (its Ascend backend on an NPU); if it raises, the chunk scan for that call."""
+    rule, _ = _fla_rule()
+    scan = _build_chunk_scan(stock, npu, on_error)
+
+    def torch_chunk_gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
+        try:
+            return rule(
+                query,
+                key,
+                value,
+                g,
+                beta,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                cu_seqlens=kwargs.get("cu_seqlens"),
+            )
+        except Exception as exc:
+            on_error(exc, query, key, value)
+            return scan(
+                query,
+                key,
+                value,
+                g,
+                beta,
+                chunk_size,
+                initial_state,
+                output_final_state,
+                use_qk_l2norm_in_kernel,
+            )
+
+    return torch_chunk_gated_delta_rule
+
+
+def _probe_fla(stock, candidate):
+    if not _is_chunk_rule(stock):
+        return "not a chunked gated delta rule (no chunk_size parameter)"
+    rule, reason = _fla_rule()
+    if reason is not None:
+        return reason
+    gen = generator()
+    try:  # the probe runs on the CPU: an fla whose kernels need the device cannot be compared here
+        rule(*(randn(gen, 1, 2, 1, 2) for _ in range(3)), -randn(gen, 1, 2, 1).abs(), randn(gen, 1, 2, 1))
+    except Exception as exc:
+        return (
+            f"fla's kernel does not run on the probe's CPU tensors ({type(exc).__name__}: {exc}): unverified"
+        )
+    # Against transformers' torch function (5.x's decorator wraps it, and calls fla itself when installed).
+    return _probe_chunk_scan(getattr(stock, "__wrapped__", stock), candidate)
+
+
+# The shipped verdicts were probed without fla: with one installed, the targets are probed live.
+_probe_fla.installed = lambda: _fla_rule()[1] is None
 
 
 def _build_chunk_scan(stock, npu, on_error):
@@ -285,6 +382,7 @@ GATED_DELTA_RULE = Kernel(
     "gated_delta_rule",
     (),
     (
+        Variant("fla", _build_fla, _probe_fla),
         Variant("chunk-scan", _build_chunk_scan, _probe_chunk_scan),
         Variant("decoder-layer", _build_decoder_layer, _probe_decoder_layer),
     ),

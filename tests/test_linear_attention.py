@@ -452,3 +452,21 @@ def test_fla_is_used_when_installed_and_gated_by_version():
     assert (name, called) == ("fla", "True")
     assert float(error) <= 1e-5
     assert lines["old"] == "chunk-scan"
+
+
+def test_report_shows_the_chunk_function_and_flags_stock_linear_layers(npu_stand_in):
+    model = tiny_model("qwen3_next")
+    chunk = "transformers.models.qwen3_next.modeling_qwen3_next:torch_chunk_gated_delta_rule"
+    npu_autopatch.enable(models=["qwen3_next"], kernels=["rms_norm"])
+    try:
+        flagged = {flag.subject for flag in npu_autopatch.report(model).flags}
+    finally:
+        npu_autopatch.disable()
+    assert {"Qwen3NextDecoderLayer", chunk} <= flagged
+    npu_autopatch.enable(models=["qwen3_next"], kernels=["gated_delta_rule"])
+    try:
+        coverage = npu_autopatch.report(model)
+    finally:
+        npu_autopatch.disable()
+    assert {f.subject for f in coverage.flags}.isdisjoint({"Qwen3NextDecoderLayer", chunk})
+    assert next(f for f in coverage.functions if f.name == chunk).origin == "ours"

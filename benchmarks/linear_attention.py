@@ -2,10 +2,11 @@
 
 The layer is the first linear-attention layer of the tiny qwen3_next (testing.tiny: hidden 64,
 2 key and 4 value heads of 16), fp32, on this CPU. One row of tokens, as one document
-(unpacked: the kernel runs the stock layer) and as several documents of equal length with
-position_ids restarting at 0 (packed: stock lets each document see the ones before it; the
-kernel runs each alone, as its own batch row). Ops are aten ops dispatched (each a kernel launch
-on a device); the wall time is the best of a few runs. Run with the venv's python:
+(unpacked: the stock layer around the chunk scan, ``torch_chunk_gated_delta_rule`` without its
+Python loop over 64-token chunks) and as several documents of equal length with position_ids
+restarting at 0 (packed: stock lets each document see the ones before it; the kernel runs each
+alone, as its own batch row, through the chunk scan too). Ops are aten ops dispatched (each a
+kernel launch on a device); the wall time is the best of a few runs. Run with the venv's python:
     .venv/bin/python benchmarks/linear_attention.py [--quick]
 ``--quick``: short rows, one run (tests/test_benchmarks.py runs it, so that the script keeps working).
 """

@@ -34,8 +34,8 @@ Two targets, one kernel, a variant each (status() names the one each target runs
   64-token chunks replaced by a log2(chunks)-level associative scan (8k tokens: 11x fewer ops
   per layer, forward + backward; benchmarks/linear_attention.py). 4.x binds the function to
   each mixer at init: a mixer built before enable() adopts the scan at its layer's first call;
-  one built while enabled keeps it after disable() (the same math, not stock's code). A call
-  with ``cu_seqlens`` gets stock's answer. If the scan raises on the device (``solve_triangular``
+  once disable() (or on_error) put stock back, the scan a mixer holds calls stock. A call with
+  ``cu_seqlens`` gets stock's answer. If the scan raises on the device (``solve_triangular``
   on an NPU is unsourced), that call runs stock and ``on_error`` takes the scan out.
 - ``fla``, tried first: when an fla with an Ascend backend (>= 0.5.2, ``FLA_ASCEND_SINCE``) is
   installed, the same target calls ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, probed
@@ -144,10 +144,18 @@ def _fla_rule():
     return rule, None
 
 
+def _retired(replacement, home) -> bool:
+    """Whether ``replacement`` was patched in (the patcher sets ``__wrapped__``; a probe's
+    candidate has none) and its module holds something else now: disable() or on_error put
+    stock back, but a 4.x mixer keeps the function it was bound to."""
+    return "__wrapped__" in replacement.__dict__ and getattr(home, CHUNK_FUNCTION, None) is not replacement
+
+
 def _build_fla(stock, npu, on_error):
     """fla's kernel (its Ascend backend on an NPU); if it raises, the chunk scan for that call."""
     rule, _ = _fla_rule()
     scan = _build_chunk_scan(stock, npu, on_error)
+    home = sys.modules.get(stock.__module__)
 
     def torch_chunk_gated_delta_rule(
         query,
@@ -161,6 +169,18 @@ def _build_fla(stock, npu, on_error):
         use_qk_l2norm_in_kernel=False,
         **kwargs,
     ):
+        if _retired(torch_chunk_gated_delta_rule, home):
+            return stock(
+                query,
+                key,
+                value,
+                g,
+                beta,
+                chunk_size,
+                initial_state,
+                output_final_state,
+                use_qk_l2norm_in_kernel,
+            )
         try:
             return rule(
                 query,
@@ -213,6 +233,7 @@ _probe_fla.installed = lambda: _fla_rule()[1] is None
 
 def _build_chunk_scan(stock, npu, on_error):
     """``torch_chunk_gated_delta_rule`` with the chunks scanned in log2(chunks) batched steps."""
+    home = sys.modules.get(stock.__module__)
 
     def torch_chunk_gated_delta_rule(
         query,
@@ -227,7 +248,7 @@ def _build_chunk_scan(stock, npu, on_error):
         **kwargs,
     ):
         args = (query, key, value, g, beta, chunk_size, initial_state, output_final_state)
-        if kwargs.get("cu_seqlens") is not None:
+        if kwargs.get("cu_seqlens") is not None or _retired(torch_chunk_gated_delta_rule, home):
             # Stock's own answer (fla's packed kernel, else its ValueError): the decoder layer
             # never passes them, it lays the documents out as rows.
             return stock(*args, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
@@ -312,12 +333,13 @@ def _build_decoder_layer(stock, npu, on_error):
 
 
 def _adopt_chunk_function(mixer, namespace) -> None:
-    """A 4.x mixer built before the chunk scan was patched in keeps stock's function (bound at
-    init): it takes the module's current one, as a mixer built now would."""
+    """A 4.x mixer keeps the function it was built with (bound at init): stock's, or the one of
+    an earlier enable(). It takes the module's current one, as a mixer built now would."""
     bound = mixer.__dict__.get("chunk_gated_delta_rule")
     current = namespace.get(CHUNK_FUNCTION)
-    if bound is not None and bound is not current and bound is getattr(current, "__wrapped__", None):
-        mixer.chunk_gated_delta_rule = current
+    stock = getattr(current, "__wrapped__", None)
+    if bound is not None and bound is not current and stock in (bound, getattr(bound, "__wrapped__", None)):
+        mixer.chunk_gated_delta_rule = current  # stock's, or a replacement of an earlier enable()
 
 
 def _checkpointing_base(stock):

@@ -367,10 +367,13 @@ def test_chunk_scan_without_l2norm_or_state():
     assert relative_error(got[0], expected[0]) <= 1e-5
 
 
-def test_long_packed_documents_match_each_run_alone(npu_stand_in):
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=FULL)], ids=["fp32", "bf16"]
+)
+def test_long_packed_documents_match_each_run_alone(npu_stand_in, dtype):
     """Documents longer than a chunk: the scan carries the state across chunks, never across
     documents."""
-    model = tiny_model("qwen3_next")
+    model = tiny_model("qwen3_next", dtype)
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(4)
     docs = [torch.randint(0, vocab, (1, n), generator=gen) for n in (150, 70)]
@@ -382,7 +385,7 @@ def test_long_packed_documents_match_each_run_alone(npu_stand_in):
         together = step(model, [packed], weights, **kwargs)
     finally:
         npu_autopatch.disable()
-    assert_close(together, alone, torch.float32)
+    assert_close(together, alone, dtype)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,8 @@ _ROPE = re.compile(r"^apply_\w*rotary")
 # A decoder layer, nominated only in a module with a Gated DeltaNet (linear attention) layer: the
 # gated_delta_rule kernel's target (packed sequences kept apart) is the whole layer's forward.
 _LAYER = re.compile(r"DecoderLayer$")
+# ... and its chunked gated delta rule, which the kernel's chunk-scan variant replaces.
+_CHUNK_RULE = "torch_chunk_gated_delta_rule"
 _LINEAR_ATTENTION = "GatedDeltaNet"
 _KERNELS_FOR = {
     "norm": ("rms_norm", "gated_rms_norm"),
@@ -94,6 +96,8 @@ def _kind(name: str, obj, linear_attention: bool = False) -> str | None:
         return None
     if callable(obj) and _ROPE.match(name):
         return "rope"
+    if callable(obj) and linear_attention and name == _CHUNK_RULE:
+        return "linear"
     return None
 
 
@@ -113,7 +117,7 @@ def candidates(module) -> list[Candidate]:
         home = getattr(obj, "__module__", "") or ""
         if not home.startswith("transformers."):
             continue
-        if kind == "rope":
+        if kind == "rope" or name == _CHUNK_RULE:
             found.append(Candidate(name, kind, home))
             continue
         methods = ["forward"] + (["moe"] if kind == "moe" and callable(getattr(obj, "moe", None)) else [])

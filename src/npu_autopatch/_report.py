@@ -13,8 +13,8 @@ implementation: only the live object tells. So the report reads the model, not t
   *stock* (transformers' or torch's own code) or *foreign* (named by its defining module).
   5.x fused experts dispatch through transformers' experts interface: they are ours when the
   instance's config selects our implementation and the class holds our kernel;
-- the module-level rotary functions of the model's modeling modules (and of the user's own
-  modules its classes come from);
+- the module-level rotary functions (and chunked gated delta rules) of the model's modeling
+  modules (and of the user's own modules its classes come from);
 - flags: a norm/MLP/experts/rotary-looking target on stock code (named by
   ``_candidates``' patterns) with the reason from status(), a kernel the installed torch_npu
   cannot run (with its requirement), and instances captured before or while patched;
@@ -60,8 +60,8 @@ class ModuleEntry:
 
 @dataclass
 class FunctionEntry:
-    """One module-level rotary function of the model's modeling modules (or of the user's own
-    modules its classes come from)."""
+    """One module-level rotary function or chunked gated delta rule of the model's modeling modules
+    (or of the user's own modules its classes come from)."""
 
     name: str  # "module:function"
     origin: str
@@ -123,7 +123,7 @@ class CoverageReport:
         return (
             f"{self.model} ({self.model_type}): modules {c['modules_ours']} ours, "
             f"{c['modules_stock']} stock, "
-            f"{c['modules_foreign']} foreign; rotary functions {c['functions_ours']} ours, "
+            f"{c['modules_foreign']} foreign; functions {c['functions_ours']} ours, "
             f"{c['functions_stock']} stock, {c['functions_foreign']} foreign; "
             f"{c['flags']} flag{'' if c['flags'] == 1 else 's'}"
         )
@@ -152,7 +152,7 @@ class CoverageReport:
             f"| `{e.name}` | {e.count} | {_runs(e)} | {_via(e)} | `{e.defined_by}` |" for e in self.modules
         ]
         if self.functions:
-            lines += ["", "| rotary function | origin | code from |", "|---|---|---|"]
+            lines += ["", "| function | origin | code from |", "|---|---|---|"]
             lines += [f"| `{f.name}` | {f.origin} | `{f.defined_by}` |" for f in self.functions]
         if self.flags:
             lines += ["", "| flag | subject | why |", "|---|---|---|"]
@@ -421,15 +421,18 @@ def report(model) -> CoverageReport:
     functions = []
     for module_name, module in {**modeling, **own}.items():
         for name, obj in sorted(vars(module).items()):
-            if not _candidates._ROPE.match(name) or not callable(obj) or isinstance(obj, type):
+            kind = _candidates._kind(
+                name, obj, linear_attention=True
+            )  # rope, or the chunked gated delta rule
+            if kind not in ("rope", "linear") or isinstance(obj, type):
                 continue
             origin, defined_by, kernel = _origin(obj, ours)
             where = f"{module_name}:{name}"
             functions.append(FunctionEntry(where, origin, defined_by, kernel))
             if origin == STOCK and module_name in modeling:
-                flags.append(_stock_flag(where, where, module, name, "rope", records))
+                flags.append(_stock_flag(where, where, module, name, kind, records))
             elif origin != OURS:
-                unpatched.append((where, module_name, name, obj, "rope"))
+                unpatched.append((where, module_name, name, obj, kind))
     flags += _unpatched_flags(unpatched, modeling, records)
     config = getattr(model, "config", None)
     return CoverageReport(
@@ -501,7 +504,9 @@ def _holds_experts(instance):
 
 def _entry(cls, instances, ours):
     """The ModuleEntry of one class and the flags of its captured instances."""
-    kind = _candidates._kind(cls.__name__, cls)
+    home = vars(sys.modules.get(cls.__module__, sys))
+    linear_attention = any(_candidates._LINEAR_ATTENTION in name for name in home)
+    kind = _candidates._kind(cls.__name__, cls, linear_attention)
     if kind == "rope":
         kind = None
     forward = cls.forward

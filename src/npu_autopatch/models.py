@@ -98,6 +98,7 @@ MODELS = {
             Target("rope", "apply_rotary_pos_emb"),  # partial rotary
             Target("moe", "Qwen3NextExperts.forward", "Qwen3NextSparseMoeBlock.forward"),
             Target("gated_delta_rule", "Qwen3NextDecoderLayer.forward"),  # packed sequences kept apart
+            Target("gated_delta_rule", "torch_chunk_gated_delta_rule"),  # chunks scanned, not looped
         ),
         Model(
             "qwen3_5",
@@ -107,6 +108,7 @@ MODELS = {
             Target("rope", "apply_rotary_pos_emb"),
             Target("rope", "apply_rotary_pos_emb_vision"),
             Target("gated_delta_rule", "Qwen3_5DecoderLayer.forward"),  # packed sequences kept apart
+            Target("gated_delta_rule", "torch_chunk_gated_delta_rule"),  # chunks scanned, not looped
             since="5.2",
         ),
         Model(
@@ -118,6 +120,7 @@ MODELS = {
             Target("rope", "apply_rotary_pos_emb_vision"),
             Target("moe", "Qwen3_5MoeExperts.forward"),
             Target("gated_delta_rule", "Qwen3_5MoeDecoderLayer.forward"),  # packed sequences kept apart
+            Target("gated_delta_rule", "torch_chunk_gated_delta_rule"),  # chunks scanned, not looped
             since="5.2",
         ),
         # Gemma3's MLP is GELU (gelu_pytorch_tanh), which no SiLU kernel reproduces: no swiglu target.

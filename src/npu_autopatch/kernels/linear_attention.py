@@ -24,8 +24,28 @@ Everything else is the stock layer, unchanged: a full-attention layer, a call wi
 a call being compiled (the documents are found from tensor values, which a graph cannot hold).
 A packed call with a cache (5.x creates one whenever ``use_cache`` is on, as in a trainer's
 forward) keeps the documents apart too and leaves the layer's cache entry as it was: a packed
-row has no one state to continue from. The replacement calls no torch_npu op, so it never
-reports an ``on_error``.
+row has no one state to continue from. The layer replacement calls no torch_npu op, so it
+never reports an ``on_error``.
+
+Two targets, one kernel, a variant each (status() names the one each target runs):
+
+- ``chunk-scan`` replaces the module's ``torch_chunk_gated_delta_rule`` (every prompt and
+  training row, packed or not) with ``gated_delta_scan``: the same math with the loop over
+  64-token chunks replaced by a log2(chunks)-level associative scan (8k tokens: 11x fewer ops
+  per layer, forward + backward; benchmarks/linear_attention.py). 4.x binds the function to
+  each mixer at init: a mixer built before enable() adopts the scan at its layer's first call;
+  once disable() (or on_error) put stock back, the scan a mixer holds calls stock. A call with
+  ``cu_seqlens`` gets stock's answer. If the scan raises on the device (``solve_triangular``
+  on an NPU is unsourced), that call runs stock and ``on_error`` takes the scan out.
+- ``fla``, tried first: when an fla with an Ascend backend (>= 0.5.2, ``FLA_ASCEND_SINCE``) is
+  installed, the same target calls ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, probed
+  against transformers' torch function (the shipped verdicts were made without fla: with one
+  installed the targets are probed live). The probe runs on the CPU: an fla whose kernels only
+  run on the device is refused as unverified and the chunk scan runs (the fla path is exercised
+  through the stand-in in ``testing/fla_stand_in``). If fla raises in a call, that call gets
+  the chunk scan and ``on_error`` puts the stock function back (on 5.x, transformers' wrapper,
+  which calls fla itself).
+- ``decoder-layer`` replaces the layer's forward to keep packed documents apart (below).
 
 The probe runs the stock layer with a stand-in causal mixer that does leak across documents
 (a running sum and a one-token shift, as the conv window and the state would) and checks
@@ -33,10 +53,25 @@ that the candidate gives stock's own result unpacked, and, packed, what stock gi
 document alone, with boundaries from ``position_ids`` and from ``cu_seq_lens_q``.
 """
 
+import sys
+
 import torch
 
 from .._types import Kernel, Variant
-from ._probe import agree_strict, first_disagreement, generator, instance, linear, randn
+from ._probe import (
+    agree_strict,
+    first_disagreement,
+    generator,
+    instance,
+    linear,
+    parameters,
+    randn,
+)
+from .gated_delta_scan import chunk_gated_delta_rule
+
+# The module function every Gated DeltaNet mixer calls for a prompt or a training row (4.x binds
+# it to each mixer at init as ``chunk_gated_delta_rule``).
+CHUNK_FUNCTION = "torch_chunk_gated_delta_rule"
 
 
 def document_starts(
@@ -83,15 +118,192 @@ def mix_documents(
     return mixed[valid].reshape(batch, length, -1)
 
 
+def _is_chunk_rule(stock) -> bool:
+    return "chunk_size" in (parameters(stock) or ())
+
+
+# The first fla release with an Ascend (triton_ascend) backend for the gated delta rule
+# (fla/ops/gated_delta_rule/backends/triton_ascend/; /work/shared/reference/next_kernels.md).
+FLA_ASCEND_SINCE = (0, 5, 2)
+
+
+def _fla_rule():
+    """fla's chunk_gated_delta_rule when an fla with an Ascend backend is installed, else why not."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is None:
+        return None, "fla is not installed"
+    import fla
+
+    version = getattr(fla, "__version__", "0")
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
+    if parts < FLA_ASCEND_SINCE:
+        return None, f"fla {version} has no Ascend backend (first in {'.'.join(map(str, FLA_ASCEND_SINCE))})"
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as rule
+
+    return rule, None
+
+
+def _retired(replacement, home) -> bool:
+    """Whether ``replacement`` was patched in (the patcher sets ``__wrapped__``; a probe's
+    candidate has none) and its module holds something else now: disable() or on_error put
+    stock back, but a 4.x mixer keeps the function it was bound to."""
+    return "__wrapped__" in replacement.__dict__ and getattr(home, CHUNK_FUNCTION, None) is not replacement
+
+
+def _build_fla(stock, npu, on_error):
+    """fla's kernel (its Ascend backend on an NPU); if it raises, the chunk scan for that call."""
+    rule, _ = _fla_rule()
+    scan = _build_chunk_scan(stock, npu, on_error)
+    home = sys.modules.get(stock.__module__)
+
+    def torch_chunk_gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
+        if _retired(torch_chunk_gated_delta_rule, home):
+            return stock(
+                query,
+                key,
+                value,
+                g,
+                beta,
+                chunk_size,
+                initial_state,
+                output_final_state,
+                use_qk_l2norm_in_kernel,
+            )
+        try:
+            return rule(
+                query,
+                key,
+                value,
+                g,
+                beta,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                cu_seqlens=kwargs.get("cu_seqlens"),
+            )
+        except Exception as exc:
+            on_error(exc, query, key, value)
+            return scan(
+                query,
+                key,
+                value,
+                g,
+                beta,
+                chunk_size,
+                initial_state,
+                output_final_state,
+                use_qk_l2norm_in_kernel,
+            )
+
+    return torch_chunk_gated_delta_rule
+
+
+def _probe_fla(stock, candidate):
+    if not _is_chunk_rule(stock):
+        return "not a chunked gated delta rule (no chunk_size parameter)"
+    rule, reason = _fla_rule()
+    if reason is not None:
+        return reason
+    gen = generator()
+    try:  # the probe runs on the CPU: an fla whose kernels need the device cannot be compared here
+        rule(*(randn(gen, 1, 2, 1, 2) for _ in range(3)), -randn(gen, 1, 2, 1).abs(), randn(gen, 1, 2, 1))
+    except Exception as exc:
+        return (
+            f"fla's kernel does not run on the probe's CPU tensors ({type(exc).__name__}: {exc}): unverified"
+        )
+    # Against transformers' torch function (5.x's decorator wraps it, and calls fla itself when installed).
+    return _probe_chunk_scan(getattr(stock, "__wrapped__", stock), candidate)
+
+
+# The shipped verdicts were probed without fla: with one installed, the targets are probed live.
+_probe_fla.installed = lambda: _fla_rule()[1] is None
+
+
+def _build_chunk_scan(stock, npu, on_error):
+    """``torch_chunk_gated_delta_rule`` with the chunks scanned in log2(chunks) batched steps."""
+    home = sys.modules.get(stock.__module__)
+
+    def torch_chunk_gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
+        args = (query, key, value, g, beta, chunk_size, initial_state, output_final_state)
+        if kwargs.get("cu_seqlens") is not None or _retired(torch_chunk_gated_delta_rule, home):
+            # Stock's own answer (fla's packed kernel, else its ValueError): the decoder layer
+            # never passes them, it lays the documents out as rows.
+            return stock(*args, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+        try:
+            return chunk_gated_delta_rule(*args, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        except Exception as exc:  # an op the device cannot take: stock for this call, and on_error
+            on_error(exc, query, key, value)
+            return stock(*args, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+
+    return torch_chunk_gated_delta_rule
+
+
+def _probe_chunk_scan(stock, candidate):
+    if not _is_chunk_rule(stock):
+        return "not a chunked gated delta rule (no chunk_size parameter)"
+    gen = generator()
+    batch, tokens, heads, key_dim, value_dim = 2, 11, 2, 4, 3
+    query, key = randn(gen, batch, tokens, heads, key_dim), randn(gen, batch, tokens, heads, key_dim)
+    value = randn(gen, batch, tokens, heads, value_dim)
+    g = -randn(gen, batch, tokens, heads).abs()
+    beta = randn(gen, batch, tokens, heads).sigmoid()
+    state = randn(gen, batch, heads, key_dim, value_dim)
+
+    def run(function, **kwargs):
+        # Chunks of 4: 11 tokens are three chunks, the last one padded; the scan pairs chunks.
+        return lambda: function(query, key, value, g=g, beta=beta, chunk_size=4, **kwargs)
+
+    return first_disagreement(
+        *(
+            agree_strict(
+                run(stock, output_final_state=True, **kwargs),
+                run(candidate, output_final_state=True, **kwargs),
+            )
+            for kwargs in (
+                {"use_qk_l2norm_in_kernel": True},
+                {"initial_state": state, "use_qk_l2norm_in_kernel": True},
+                {},
+            )
+        )
+    )
+
+
 def _build_decoder_layer(stock, npu, on_error):
     # 5.x's GradientCheckpointingLayer wraps each layer class's forward and checkpoints only when
     # that wrapper is the class's forward: the replacement is wrapped the same way, around the
     # stock layer without its wrapper, or checkpointing would silently stop.
     checkpointing_layer = _checkpointing_base(stock)
     layer = stock.__wrapped__ if checkpointing_layer is not None else stock
+    # The modeling module's namespace (4.x decorates the forward: its __globals__ are the decorator's).
+    namespace = vars(sys.modules[layer.__module__])
 
     def forward(self, hidden_states, *args, **kwargs):
         mixer = getattr(self, "linear_attn", None)
+        if mixer is not None:
+            _adopt_chunk_function(mixer, namespace)
         attention_mask = kwargs.get("attention_mask")
         if (
             mixer is None
@@ -120,6 +332,16 @@ def _build_decoder_layer(stock, npu, on_error):
     return type("PackedDecoderLayer", (checkpointing_layer,), {"forward": forward}).forward
 
 
+def _adopt_chunk_function(mixer, namespace) -> None:
+    """A 4.x mixer keeps the function it was built with (bound at init): stock's, or the one of
+    an earlier enable(). It takes the module's current one, as a mixer built now would."""
+    bound = mixer.__dict__.get("chunk_gated_delta_rule")
+    current = namespace.get(CHUNK_FUNCTION)
+    stock = getattr(current, "__wrapped__", None)
+    if bound is not None and bound is not current and stock in (bound, getattr(bound, "__wrapped__", None)):
+        mixer.chunk_gated_delta_rule = current  # stock's, or a replacement of an earlier enable()
+
+
 def _checkpointing_base(stock):
     """5.x's GradientCheckpointingLayer when ``stock`` is the forward it wrapped, else None."""
     if getattr(getattr(stock, "__code__", None), "co_name", "") != "forward_with_checkpointing":
@@ -137,6 +359,8 @@ class _LeakyCausalMixer(torch.nn.Module):
 
 
 def _probe_decoder_layer(stock, candidate):
+    if _is_chunk_rule(stock):
+        return "a gated delta rule function, not a decoder layer"
     gen = generator()
     width = 8
     layer = instance(
@@ -179,5 +403,9 @@ def _probe_decoder_layer(stock, candidate):
 GATED_DELTA_RULE = Kernel(
     "gated_delta_rule",
     (),
-    (Variant("decoder-layer", _build_decoder_layer, _probe_decoder_layer),),
+    (
+        Variant("fla", _build_fla, _probe_fla),
+        Variant("chunk-scan", _build_chunk_scan, _probe_chunk_scan),
+        Variant("decoder-layer", _build_decoder_layer, _probe_decoder_layer),
+    ),
 )

@@ -30,6 +30,7 @@ is not copied again, so verl-style ``cu_seq_lens_q/k`` passed to the model cost 
 
 import inspect
 import math
+import sys
 import threading
 import weakref
 
@@ -46,6 +47,9 @@ _VARLEN = (
     "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
     "dropout_p", "softmax_scale", "causal", "kwargs",
 )  # fmt: skip
+_CHOICE = ("self", "attn_implementation", "is_init_check", "allow_all_kernels")
+_HUB_LIST = "_compatible_flash_implementations"
+_INTEGRATION = "transformers.integrations.npu_flash_attention"
 
 
 class _HostEnds:
@@ -192,6 +196,61 @@ def _build_varlen(stock, npu, on_error):
     return _exposed(npu_flash_attn_varlen_func)
 
 
+def _sinks_reach_the_op():
+    """Whether transformers' Ascend functions take ``s_aux`` now (this kernel's replacements do, the
+    stock ones do not): transformers passes the sinks only to a function whose signature has it."""
+    module = sys.modules.get(_INTEGRATION)
+    functions = [
+        getattr(module, name, None) for name in ("npu_flash_attn_func", "npu_flash_attn_varlen_func")
+    ]
+    return all(f is not None and "s_aux" in inspect.signature(f).parameters for f in functions)
+
+
+def _build_choice(stock, npu, on_error):
+    """Keep ``flash_attention_2`` for a model whose class lists hub flash kernels.
+
+    transformers 5.x swaps FA2 for the first kernel a model's ``_compatible_flash_implementations``
+    names (gpt-oss: ``kernels-community/vllm-flash-attn3``, built for CUDA only); on an NPU that name is
+    not registered and the first forward raises KeyError. FA2 on the NPU is transformers' Ascend
+    functions: with this kernel's replacements in that module they take the sinks, so the model keeps
+    FA2. Without them the sinks would be dropped: the load is refused with the reason.
+    """
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        listed = getattr(self, _HUB_LIST, None)
+        if attn_implementation != "flash_attention_2" or not listed:
+            return stock(self, attn_implementation, *args, **kwargs)
+        if not _sinks_reach_the_op():
+            raise ValueError(
+                f"{type(self).__name__}: attn_implementation='flash_attention_2' on the NPU runs "
+                f"transformers' Ascend functions ({_INTEGRATION}), which drop this model's attention sinks "
+                "unless npu-autopatch's attention kernel is applied there (it is not: see "
+                f"npu_autopatch.status()['npu_flash_attention']), and the hub kernels this model lists "
+                f"({', '.join(listed)}) have no NPU build. Use attn_implementation='eager', or enable the "
+                "attention kernel."
+            )
+        own = vars(self)
+        own[_HUB_LIST] = None  # this instance keeps FA2: transformers reads the list through getattr
+        try:
+            return stock(self, attn_implementation, *args, **kwargs)
+        finally:
+            own.pop(_HUB_LIST, None)
+
+    return _check_and_adjust_attn_implementation
+
+
+def _probe_choice(stock, candidate):
+    """The replacement differs from stock only in FA2 with a hub list: the stock method must be the
+    one that reads that list per instance (``getattr(self, ...)``), with the parameters it passes on."""
+    wrong = signature_reason(stock, _CHOICE)
+    if wrong:
+        return wrong
+    code = getattr(stock, "__code__", None)
+    if code is None or _HUB_LIST not in code.co_consts:
+        return f"the stock method does not read {_HUB_LIST} from the instance"
+    return None
+
+
 def _eager(q, k, v, scale, causal, window, sink):
     """The probes' reference, written as transformers' eager masks it: key kv is seen by query q
     (absolute position q + Skv - Sq) when kv <= q if causal, and q - W < kv (< q + W) with a window."""
@@ -272,5 +331,11 @@ def _probe_varlen(stock, candidate):
 ATTENTION = Kernel(
     "attention",
     ("npu_fusion_attention",),
-    (Variant("dense", _build_dense, _probe_dense), Variant("varlen", _build_varlen, _probe_varlen)),
+    (
+        # First: the flash-attention builds read the integration module's globals, which a
+        # modeling_utils method has not.
+        Variant("keep_fa2", _build_choice, _probe_choice),
+        Variant("dense", _build_dense, _probe_dense),
+        Variant("varlen", _build_varlen, _probe_varlen),
+    ),
 )

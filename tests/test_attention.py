@@ -120,6 +120,7 @@ with stand_in(profile=args["profile"]) as npu:
         errors["fused_calls"] = npu.calls["npu_fusion_attention"] - before
     status = npu_autopatch.status()
     out["status"] = {name: status[name].state.value for name in ("npu_flash_attention", "gpt_oss")}
+    out["variants"] = sorted(set(status["npu_flash_attention"].variants.values()))
 print("RESULT" + json.dumps(out))
 """
 
@@ -141,7 +142,7 @@ def run(profile="a2-newest", patch=True, dtype="float32", models=MODELS):
 def assert_matches(found, dtype, fused):
     """Every case of every model within the dtype's tolerance of eager, with ``fused(model)`` fused calls."""
     for model, errors in found.items():
-        if model == "status":
+        if model in ("status", "variants"):
             continue
         assert "raised" not in errors, (model, errors)
         assert all(errors[case] < TOLERANCE[dtype] for case in CASES), (model, errors)
@@ -161,6 +162,7 @@ def test_fa2_on_npu_matches_eager(dtype):
     """Windows (BSND and TND, causal), sinks with their gradient, softcap unfused; the fused op runs."""
     found = run(dtype=dtype)
     assert_applied(found)
+    assert found.pop("variants") == ["dense", "varlen"]  # the sinks fused
     assert_matches(found, dtype, lambda model: 0 if model == "gemma2" else FUSED_PER_RUN)
 
 
@@ -190,9 +192,10 @@ def test_without_the_kernel_the_window_and_sinks_are_dropped():
 
 def test_before_sink_the_sinks_run_unfused():
     """op-plugin 7.2.0 (torch_npu 2.7.1) has no ``sink``: gpt-oss's layers take the unfused path, still
-    exact; the window models stay fused."""
+    exact, and status() names that path; the window models stay fused."""
     found = run(profile="a2-2.7.1", models=("mistral", "gpt_oss"))
     assert_applied(found)
+    assert found.pop("variants") == ["dense_unfused_sinks", "varlen_unfused_sinks"]
     assert_matches(found, "float32", lambda model: 0 if model == "gpt_oss" else FUSED_PER_RUN)
 
 

@@ -16,7 +16,8 @@ word (and, on 4.57, the softcap). The replacements take them and honour them:
   builds its band as ``triu(k=next+1) | tril(k=-pre-1)``), so ``pre = W - 1`` and ``next = 0`` when
   causal, ``W - 1`` when not. In TND each sequence gets its own band.
 - attention sinks (gpt-oss's ``s_aux``): the op's ``sink``, an unscaled extra logit per head, from
-  op-plugin 7.3.0 (``_requirements.sink_requirement``). Before that, the call runs unfused.
+  op-plugin 7.3.0 (``_requirements.sink_requirement``). Before that, the calls with sinks run unfused:
+  the ``*_unfused_sinks`` variants, which status() names for the target.
 - softcap: the op has none; the call runs unfused (5.x stock raises, 4.57 stock drops it).
 
 Unfused is eager attention on the device in torch ops, as transformers' eager computes it: correct,
@@ -85,9 +86,10 @@ def _band(causal, window_size):
 
 
 def _stock_mask(stock):
-    """The compressed-mask getter and causal sparse mode of the stock module (its cache, its env)."""
-    names = stock.__globals__
-    return names["get_attn_mask_npu"], names["SPARSE_MODE"]
+    """The compressed-mask getter and causal sparse mode of the stock module (its cache, its env);
+    (None, None) for code elsewhere, which the probes then refuse."""
+    names = getattr(stock, "__globals__", {})
+    return names.get("get_attn_mask_npu"), names.get("SPARSE_MODE")
 
 
 def _fused_options(device, causal, pre, nxt, s_aux, get_mask, causal_mode):
@@ -136,8 +138,7 @@ def _exposed(replacement):
     return replacement
 
 
-def _build_dense(stock, npu, on_error):
-    fused_sink = sink_requirement(npu) is None
+def _build_dense(stock, npu, on_error, fused_sink=True):
     get_mask, causal_mode = _stock_mask(stock)
     failed = []
 
@@ -161,8 +162,7 @@ def _build_dense(stock, npu, on_error):
     return _exposed(npu_flash_attn_func)
 
 
-def _build_varlen(stock, npu, on_error):
-    fused_sink = sink_requirement(npu) is None
+def _build_varlen(stock, npu, on_error, fused_sink=True):
     get_mask, causal_mode = _stock_mask(stock)
     failed = []
 
@@ -251,6 +251,15 @@ def _probe_choice(stock, candidate):
     return None
 
 
+def _unfused_sinks(build):
+    """``build`` for a torch_npu whose npu_fusion_attention has no ``sink`` (before op-plugin 7.3.0)."""
+
+    def build_unfused_sinks(stock, npu, on_error):
+        return build(stock, npu, on_error, fused_sink=False)
+
+    return build_unfused_sinks
+
+
 def _eager(q, k, v, scale, causal, window, sink):
     """The probes' reference, written as transformers' eager masks it: key kv is seen by query q
     (absolute position q + Skv - Sq) when kv <= q if causal, and q - W < kv (< q + W) with a window."""
@@ -286,8 +295,14 @@ def _window_size(window):
     return None if window is None else (window - 1, window - 1)
 
 
+def _mask_reason(stock):
+    if None in _stock_mask(stock):
+        return "its module has no get_attn_mask_npu and SPARSE_MODE (the compressed mask the op takes)"
+    return None
+
+
 def _probe_dense(stock, candidate):
-    wrong = signature_reason(stock, _DENSE)
+    wrong = signature_reason(stock, _DENSE) or _mask_reason(stock)
     if wrong:
         return wrong
     q, k, v, sink = _probe_inputs()
@@ -306,7 +321,7 @@ def _probe_dense(stock, candidate):
 
 
 def _probe_varlen(stock, candidate):
-    wrong = signature_reason(stock, _VARLEN)
+    wrong = signature_reason(stock, _VARLEN) or _mask_reason(stock)
     if wrong:
         return wrong
     q, k, v, sink = _probe_inputs()
@@ -332,10 +347,12 @@ ATTENTION = Kernel(
     "attention",
     ("npu_fusion_attention",),
     (
-        # First: the flash-attention builds read the integration module's globals, which a
-        # modeling_utils method has not.
+        Variant("dense", _build_dense, _probe_dense, requires=sink_requirement),
+        Variant("varlen", _build_varlen, _probe_varlen, requires=sink_requirement),
+        # A torch_npu without ``sink``: the same, the calls with sinks unfused; the variant's name in
+        # status() says so.
+        Variant("dense_unfused_sinks", _unfused_sinks(_build_dense), _probe_dense),
+        Variant("varlen_unfused_sinks", _unfused_sinks(_build_varlen), _probe_varlen),
         Variant("keep_fa2", _build_choice, _probe_choice),
-        Variant("dense", _build_dense, _probe_dense),
-        Variant("varlen", _build_varlen, _probe_varlen),
     ),
 )

@@ -393,13 +393,18 @@ with stand_in() as npu:
     record = npu_autopatch.status()["npu_flash_attention"]
     out = {"errors": errors, "calls": [calls, npu.calls["npu_fusion_attention"]], "state": record.state.value}
     out["code"] = None if record.code is None else record.code.value
+    from transformers.integrations import npu_flash_attention as integration
+    import inspect
+
+    out["kept"] = "window_size" in inspect.signature(integration.npu_flash_attn_func).parameters
+    out["report"] = sorted({entry.path for entry in npu_autopatch.report(fa).attention})
     print("RESULT" + json.dumps(out))
 """
 
 
 def test_a_fused_call_that_raises_is_reported_and_the_call_stays_right():
-    """Not stock (which would drop the window): that function runs unfused from then on, and status says
-    op-failed. transformers keeps calling the replacement it loaded, so the second forward is unfused too."""
+    """Not stock (which would drop the window): the replacement stays in the module (a later lookup gets it
+    too) and runs unfused from then on; status says op-failed, the WARNING and report() say unfused."""
     result = subprocess.run(
         [sys.executable, "-c", FAILING],
         env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
@@ -412,7 +417,51 @@ def test_a_fused_call_that_raises_is_reported_and_the_call_stays_right():
     assert all(error < 1e-4 for error in found["errors"]), found
     assert found["calls"] == [1, 1], found  # one failed fused call, then none
     assert (found["state"], found["code"]) == ("partial", "op-failed"), found
-    assert "taken out of" in result.stderr and "EZ9999" in result.stderr
+    assert found["kept"], found
+    (path,) = found["report"]
+    assert path == "FA2 on the NPU, patched (attention kernel: fused op given up: unfused)", found
+    assert "fused op given up at" in result.stderr and "EZ9999" in result.stderr
+    assert "that target runs unfused attention (eager math on the device" in result.stderr
+
+
+REPORT = r"""
+import json, sys
+from npu_autopatch.testing import stand_in, tiny
+
+with stand_in():
+    import npu_autopatch
+
+    if json.loads(sys.argv[1]):
+        npu_autopatch.enable(kernels=["attention"])
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny.tiny_config("mistral", sliding_window=4)
+    out = {}
+    for implementation in ("flash_attention_2", "sdpa", "eager"):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=implementation)
+        out[implementation] = [vars(entry) for entry in npu_autopatch.report(model).attention]
+    print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("patch", [True, False], ids=["patched", "stock"])
+def test_report_names_each_attention_path(patch):
+    """report(model) says what each attention module runs: FA2 on the NPU patched (with the variants) or
+    stock (which drops windows and sinks), sdpa, eager."""
+    result = subprocess.run(
+        [sys.executable, "-c", REPORT, json.dumps(patch)],
+        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    found = json.loads(result.stdout.split("RESULT", 1)[1])
+    fa2 = "FA2 on the NPU, patched (attention kernel: dense, varlen)" if patch else "FA2 on the NPU, stock"
+    for implementation, path in (("flash_attention_2", fa2), ("sdpa", "sdpa"), ("eager", "eager")):
+        (entry,) = found[implementation]
+        assert entry["name"] == "MistralAttention" and entry["count"] == 2, found
+        assert entry["implementation"] == implementation and entry["path"].startswith(path), found
 
 
 def test_the_host_copy_is_made_again_for_a_modified_or_new_tensor():

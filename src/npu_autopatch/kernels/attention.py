@@ -346,7 +346,8 @@ def _probe_varlen(stock, candidate):
 ATTENTION = Kernel(
     "attention",
     ("npu_fusion_attention",),
-    (
+    fallback="unfused attention (eager math on the device: stock would drop the window and the sinks)",
+    variants=(
         Variant("dense", _build_dense, _probe_dense, requires=sink_requirement),
         Variant("varlen", _build_varlen, _probe_varlen, requires=sink_requirement),
         # A torch_npu without ``sink``: the same, the calls with sinks unfused; the variant's name in

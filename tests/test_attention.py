@@ -564,7 +564,7 @@ with stand_in():
 """
 
 
-@pytest.mark.parametrize("patch", [True, False], ids=["patched", "stock"])
+@pytest.mark.parametrize("patch", [True, pytest.param(False, marks=FULL)], ids=["patched", "stock"])
 def test_report_names_each_attention_path(patch):
     """report(model) says what each attention module runs: FA2 on the NPU patched (with the variants) or
     stock (which drops windows and sinks), sdpa, eager."""

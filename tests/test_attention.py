@@ -458,6 +458,25 @@ def test_the_probe_refuses_a_band_off_by_one(monkeypatch):
         assert variant is None and "differs" in reason, reason
 
 
+@pytest.mark.skipif(V4, reason="4.57 has no hub-kernel swap: gpt-oss has no attention target there")
+def test_the_keep_fa2_probe_takes_only_the_method_that_reads_the_hub_list():
+    """gpt-oss's target: the replacement hides the hub list from the stock method per instance, which is
+    only right for a stock method that reads that list through the instance."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    stock = PreTrainedModel._check_and_adjust_attn_implementation
+    variant, reason = choose_variant(KERNELS["attention"], stock, live=True)
+    assert variant is not None and variant.name == "keep_fa2", reason
+
+    def _check_and_adjust_attn_implementation(
+        self, attn_implementation, is_init_check=False, allow_all_kernels=False
+    ):
+        return attn_implementation  # same parameters, never reads the list
+
+    variant, reason = choose_variant(KERNELS["attention"], _check_and_adjust_attn_implementation, live=True)
+    assert variant is None and "does not read _compatible_flash_implementations" in reason, reason
+
+
 def test_the_replacements_expose_what_transformers_looks_for():
     """transformers builds its keyword arguments from the varlen function's signature
     (``_lazy_define_process_function``), which ``inspect.signature`` reads through ``__wrapped__`` (the

@@ -57,6 +57,10 @@ def test_a_dense_an_moe_and_a_vl_model_verify_on_the_stand_in():
     assert sweep["passed"] is True and sweep["cases"]
     assert {c["dtype"] for c in sweep["cases"]} == {"bfloat16"}
     assert all(c["status"] == "pass" for c in sweep["cases"])
+    # FA2 on the NPU: windows and sinks, BSND and TND, each case through the fused op.
+    attention = report["attention"]
+    assert attention["passed"] is True and len(attention["cases"]) == 12, attention
+    assert all(c["fused_calls"] > 0 and c["variant"] in ("dense", "varlen") for c in attention["cases"])
 
 
 def test_on_torch_npu_2_6_the_report_says_what_was_gated_and_why():
@@ -65,7 +69,8 @@ def test_on_torch_npu_2_6_the_report_says_what_was_gated_and_why():
     report = json.loads(run.stdout)
     assert report["environment"]["torch_npu"] == "2.6.0"
     assert report["decisions"]["op_plugin"] == "7.1.0"
-    assert list(report["decisions"]["gated"]) == ["moe"]
+    assert list(report["decisions"]["gated"]) == ["moe", "attention/dense", "attention/varlen"]
+    assert "no sink before op-plugin 7.3.0" in report["decisions"]["gated"]["attention/dense"]
     assert (
         "before op-plugin 7.2.0 (torch_npu 2.6.0 has op-plugin 7.1.0)" in report["decisions"]["gated"]["moe"]
     )
@@ -75,6 +80,12 @@ def test_on_torch_npu_2_6_the_report_says_what_was_gated_and_why():
     assert (results["llama"]["state"], results["llama"]["code"]) == ("applied", None)
     assert not any(op.startswith("npu_moe") for op in results["qwen3_moe"]["ops_called"])
     assert report["rope_sweep"]["passed"] is True
+    # No sink on 2.6.0: those cases run unfused (and match), the others fused.
+    attention = report["attention"]
+    assert attention["passed"] is True, attention
+    for case in attention["cases"]:
+        assert (case["fused_calls"] > 0) == ("sinks" not in case["case"]), case
+        assert case["variant"].endswith("_unfused_sinks"), case
 
 
 def test_an_unknown_profile_is_refused():
@@ -117,6 +128,26 @@ variant.build = miswired
 variant.probe = lambda stock, candidate: None  # a probe that sees nothing
 sys.exit(main(["verify", "--device", "cpu", "--simulate", "--models", "llama,qwen3", "--dtype", "float32"]))
 """
+
+
+OFF_BY_ONE = """
+import sys
+from npu_autopatch.kernels import attention
+from npu_autopatch.__main__ import main
+
+band = attention._band
+attention._band = lambda causal, window_size: (lambda pre, nxt: (pre + 1, nxt))(*band(causal, window_size))
+sys.exit(main(["verify", "--device", "cpu", "--simulate", "--models", "llama", "--dtype", "float32"]))
+"""
+
+
+def test_a_window_one_token_too_wide_fails_the_attention_cases():
+    """The attention cases compare with eager on the device: a band off by one fails the windowed ones."""
+    run = run_python(OFF_BY_ONE)
+    assert run.returncode == 1, run.stdout + run.stderr
+    failed = [line for line in run.stdout.splitlines() if line.strip().startswith("FAIL npu_flash_attn")]
+    assert failed and all("window 3" in line for line in failed), run.stdout
+    assert "attention: npu_flash_attn_func window 3, causal float32" in run.stdout.splitlines()[-1]
 
 
 def test_a_miswired_kernel_fails_verify_naming_model_and_tensor():

@@ -225,7 +225,7 @@ def _load_plugin(model):
         ) from exc
 
 
-def _on_error(model_type, key, built):
+def _on_error(model_type, key, built, fallback=None):
     """Contract C1: the on_error a replacement calls when its fused op raised.
 
     It re-raises what is not the op's own failure (torch's control flow, out of memory: see
@@ -236,7 +236,7 @@ def _on_error(model_type, key, built):
         if not is_op_failure(exc):
             raise exc
         try:
-            _demote(key, built, exc, tensors)
+            _demote(key, built, exc, tensors, fallback)
         except Exception as internal:  # the user's forward goes on with the stock result
             _log.warning(f"{model_type}: could not put the stock code back after {exc!r}: {internal!r}")
 
@@ -248,25 +248,36 @@ def _describe(tensors):
     return ", ".join(shown) or "no tensors"
 
 
-def _demote(key, built, exc, tensors):
-    """Put the stock object back for the rest of the process; record and log it once."""
+def _demote(key, built, exc, tensors, fallback=None):
+    """Put the stock object back for the rest of the process; record and log it once. A kernel with
+    a ``fallback`` keeps its replacement in place: it runs that fallback itself from now on."""
     with locked:
-        slot = _ledger.put_back(key, built[0]) if built else None
+        if fallback is None:
+            slot = _ledger.put_back(key, built[0]) if built else None
+        else:
+            slot = STATE.slots.get(key)
+            if slot is not None and (not built or slot.replacement is not built[0]):
+                slot = None
         if slot is None:
             return  # another call demoted it first (or disable() came)
         cause = f"{type(exc).__name__}: {exc}"
-        text = (
-            f"{slot.kernel} taken out of {slot.where}: its fused op raised on {_describe(tensors)}: {cause}"
-        )
+        done = "taken out of" if fallback is None else "fused op given up at"
+        text = f"{slot.kernel} {done} {slot.where}: its fused op raised on {_describe(tensors)}: {cause}"
+        told = []
         for model_type in sorted(slot.holders):
             old = STATE.records.get(model_type)
             model = STATE.models.get(model_type) or STATE.discovered.get(model_type)
             if old is None or model is None or model_type not in STATE.placed:
                 continue
+            if slot.where in old.stock_reasons:
+                continue  # reported by another call already (a fallback leaves the slot in place)
             stock = {**old.stock_reasons, slot.where: TargetReason(ReasonCode.OP_FAILED, text)}
             STATE.records[model_type] = replace(_applied_record(model, stock), code=ReasonCode.OP_FAILED)
+            told.append(model_type)
+        if fallback is not None and not told:
+            return
         models = ", ".join(sorted(slot.holders))
-    _log.warning(f"{models}: {text}; that target runs stock from now on")
+    _log.warning(f"{models}: {text}; that target runs {fallback or 'stock'} from now on")
 
 
 def _transformers_has(release):
@@ -360,7 +371,10 @@ def _plan(model, module, config, generation):
         interface = _experts.interface_of(current)
         built = []
         on_error = _on_error(
-            model.model_type, key if interface is None else (id(owner), _experts.ATTR), built
+            model.model_type,
+            key if interface is None else (id(owner), _experts.ATTR),
+            built,
+            getattr(kernel, "fallback", None),
         )
         try:
             fallback = _experts.fallback(current) if interface is not None else stock_code

@@ -54,7 +54,8 @@ class ReasonCode(str, enum.Enum):
     FOREIGN_PATCH = "foreign-patch"  # skipped: another library replaced a target before us (force=True)
     KERNEL_UNSUPPORTED = "kernel-unsupported"  # partial/skipped: the installed torch_npu cannot run it
     MATH_DIFFERS = "math-differs"  # partial/skipped: the probe found the kernel does not reproduce stock
-    OP_FAILED = "op-failed"  # partial: a fused op raised at run time; that target runs stock from then on
+    OP_FAILED = "op-failed"  # partial: a fused op raised at run time; that target runs stock (or its
+    # kernel's own fallback: Kernel.fallback) from then on
     TARGET_MISSING = "target-missing"  # failed: renamed or removed in this transformers
     OP_MISSING = "op-missing"  # failed: torch_npu lacks an op the kernel needs
     PROBE_ERROR = "probe-error"  # failed: the kernel raised while being checked

@@ -83,6 +83,17 @@ class Flag:
 
 
 @dataclass
+class AttentionEntry:
+    """One attention module class of the model: the implementation its config picks and the code
+    that computes it (FA2 on the NPU: transformers' Ascend functions, ours or stock)."""
+
+    name: str  # the class's qualified name
+    count: int  # instances in the model
+    implementation: str  # config._attn_implementation: flash_attention_2, sdpa, eager, ...
+    path: str  # what runs, in words
+
+
+@dataclass
 class CoverageReport:
     """What a live model runs: per module class, per rotary function, and the flags."""
 
@@ -92,6 +103,7 @@ class CoverageReport:
     functions: list[FunctionEntry]
     flags: list[Flag]
     records: dict[str, PatchRecord]  # status() of the models whose modeling modules the model uses
+    attention: list[AttentionEntry] = field(default_factory=list)  # see _attention_paths
 
     @property
     def counts(self) -> dict[str, int]:
@@ -116,6 +128,7 @@ class CoverageReport:
             "functions": [vars(f).copy() for f in self.functions],
             "flags": [vars(f).copy() for f in self.flags],
             "records": {name: rec.as_dict() for name, rec in self.records.items()},
+            "attention": [vars(a).copy() for a in self.attention],
         }
 
     def summary(self) -> str:
@@ -136,6 +149,10 @@ class CoverageReport:
         lines = [self.summary(), "", columns(rows)]
         if self.functions:
             lines += ["", columns(functions)]
+        if self.attention:
+            attention = [("attention", "n", "implementation", "runs")]
+            attention += [(a.name, str(a.count), a.implementation, a.path) for a in self.attention]
+            lines += ["", columns(attention)]
         if self.flags:
             lines.append("")
             lines += [f"FLAG {_kind(f)}: {f.subject}: {f.message}" for f in self.flags]
@@ -154,6 +171,9 @@ class CoverageReport:
         if self.functions:
             lines += ["", "| function | origin | code from |", "|---|---|---|"]
             lines += [f"| `{f.name}` | {f.origin} | `{f.defined_by}` |" for f in self.functions]
+        if self.attention:
+            lines += ["", "| attention | instances | implementation | runs |", "|---|---|---|---|"]
+            lines += [f"| `{a.name}` | {a.count} | {a.implementation} | {a.path} |" for a in self.attention]
         if self.flags:
             lines += ["", "| flag | subject | why |", "|---|---|---|"]
             lines += [f"| {_kind(f)} | `{f.subject}` | {f.message} |" for f in self.flags]
@@ -442,7 +462,45 @@ def report(model) -> CoverageReport:
         functions,
         flags,
         relevant,
+        _attention_paths(groups, records),
     )
+
+
+def _attention_paths(groups, records) -> list[AttentionEntry]:
+    """Each ``*Attention`` module class with a config: the implementation it asks for and what runs it.
+
+    FA2 on an NPU is transformers' Ascend functions; transformers calls the ones it loaded at its first
+    FA2 forward (``modeling_flash_attention_utils._flash_varlen_fn``), else the integration module's now.
+    """
+    entries = []
+    for cls, instances in groups.items():
+        implementation = getattr(getattr(instances[0][1], "config", None), "_attn_implementation", None)
+        if not cls.__name__.endswith("Attention") or implementation is None:
+            continue
+        path = implementation
+        if implementation == "flash_attention_2":
+            path = _flash_path(records)
+        entries.append(AttentionEntry(cls.__qualname__, len(instances), implementation, path))
+    return entries
+
+
+def _flash_path(records) -> str:
+    utils = sys.modules.get("transformers.modeling_flash_attention_utils")
+    integration = sys.modules.get("transformers.integrations.npu_flash_attention")
+    npu = sys.modules.get("transformers.utils")
+    if integration is None or npu is None or not npu.is_torch_npu_available():
+        return "flash_attention_2 (not the NPU path)"
+    function = getattr(utils, "_flash_varlen_fn", None) or integration.npu_flash_attn_varlen_func
+    home = getattr(function, "__module__", None) or "?"
+    if home == "npu_autopatch.kernels.attention":
+        record = records.get("npu_flash_attention")
+        variants = ", ".join(sorted(set(record.variants.values()))) if record is not None else "?"
+        failed = record is not None and record.code is ReasonCode.OP_FAILED
+        how = "fused op given up: unfused" if failed else variants
+        return f"FA2 on the NPU, patched (attention kernel: {how})"
+    if home == integration.__name__:
+        return "FA2 on the NPU, stock (drops sliding windows and sinks)"
+    return f"FA2 on the NPU, foreign ({home}.{getattr(function, '__qualname__', '?')})"
 
 
 def _unpatched_flags(unpatched, modeling, records):

@@ -53,15 +53,21 @@ class Kernel:
     kernel, else a reason naming the missing capability and the first release that has
     it. It must not run an op on the device (that would open a device context in every
     rank at import): it reads the version or asks the dispatcher what is registered.
+
+    ``fallback``, when given, names what a replacement runs by itself once its fused op raised
+    (the attention kernel: eager math on the device, since stock would drop the window): the
+    replacement then stays in place and the WARNING and status() say so. Without it, the stock
+    code is put back.
     """
 
-    __slots__ = ("name", "ops", "requires", "variants")
+    __slots__ = ("fallback", "name", "ops", "requires", "variants")
 
-    def __init__(self, name, ops, variants, requires=None):
+    def __init__(self, name, ops, variants, requires=None, fallback=None):
         self.name = name
         self.ops = tuple(ops)
         self.variants = tuple(variants)
         self.requires = requires
+        self.fallback = fallback
 
 
 class Target:

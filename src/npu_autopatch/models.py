@@ -259,7 +259,12 @@ MODELS = {
         ),
         # gpt-oss: the norm only. Its experts are a clamped SwiGLU with bias on an interleaved
         # [E, H, 2I] layout and its rotary halves cos: no kernel reproduces them.
-        Model("gpt_oss", Target("rms_norm", "GptOssRMSNorm.forward")),
+        Model(
+            "gpt_oss",
+            Target("rms_norm", "GptOssRMSNorm.forward"),
+            # 5.x swaps FA2 for a CUDA-only hub kernel: on the NPU it keeps FA2 (kernels/attention.py).
+            Target("attention", "GptOssPreTrainedModel._check_and_adjust_attn_implementation", since="5.0"),
+        ),
         # Not a model type: transformers' Ascend flash-attention functions, which every model running
         # attn_implementation="flash_attention_2" on an NPU calls (kernels/attention.py).
         Model(

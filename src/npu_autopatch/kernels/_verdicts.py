@@ -9,6 +9,7 @@ SOURCES = ["transformers 4.57.6", "transformers 5.24.0"]
 
 VERDICTS = {
     "attention": {
+        "2928885057253af5f0c85c92": "keep_fa2",
         "4821fc4d6deab72bef879117": "varlen",
         "96f2f88570f396ae1b29e70c": "dense",
     },

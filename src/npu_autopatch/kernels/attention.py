@@ -16,7 +16,8 @@ word (and, on 4.57, the softcap). The replacements take them and honour them:
   builds its band as ``triu(k=next+1) | tril(k=-pre-1)``), so ``pre = W - 1`` and ``next = 0`` when
   causal, ``W - 1`` when not. In TND each sequence gets its own band.
 - attention sinks (gpt-oss's ``s_aux``): the op's ``sink``, an unscaled extra logit per head, from
-  op-plugin 7.3.0 (``_requirements.sink_requirement``). Before that, the call runs unfused.
+  op-plugin 7.3.0 (``_requirements.sink_requirement``). Before that, the calls with sinks run unfused:
+  the ``*_unfused_sinks`` variants, which status() names for the target.
 - softcap: the op has none; the call runs unfused (5.x stock raises, 4.57 stock drops it).
 
 Unfused is eager attention on the device in torch ops, as transformers' eager computes it: correct,
@@ -30,6 +31,7 @@ is not copied again, so verl-style ``cu_seq_lens_q/k`` passed to the model cost 
 
 import inspect
 import math
+import sys
 import threading
 import weakref
 
@@ -46,6 +48,9 @@ _VARLEN = (
     "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
     "dropout_p", "softmax_scale", "causal", "kwargs",
 )  # fmt: skip
+_CHOICE = ("self", "attn_implementation", "is_init_check", "allow_all_kernels")
+_HUB_LIST = "_compatible_flash_implementations"
+_INTEGRATION = "transformers.integrations.npu_flash_attention"
 
 
 class _HostEnds:
@@ -81,9 +86,10 @@ def _band(causal, window_size):
 
 
 def _stock_mask(stock):
-    """The compressed-mask getter and causal sparse mode of the stock module (its cache, its env)."""
-    names = stock.__globals__
-    return names["get_attn_mask_npu"], names["SPARSE_MODE"]
+    """The compressed-mask getter and causal sparse mode of the stock module (its cache, its env);
+    (None, None) for code elsewhere, which the probes then refuse."""
+    names = getattr(stock, "__globals__", {})
+    return names.get("get_attn_mask_npu"), names.get("SPARSE_MODE")
 
 
 def _fused_options(device, causal, pre, nxt, s_aux, get_mask, causal_mode):
@@ -132,8 +138,7 @@ def _exposed(replacement):
     return replacement
 
 
-def _build_dense(stock, npu, on_error):
-    fused_sink = sink_requirement(npu) is None
+def _build_dense(stock, npu, on_error, fused_sink=True):
     get_mask, causal_mode = _stock_mask(stock)
     failed = []
 
@@ -157,8 +162,7 @@ def _build_dense(stock, npu, on_error):
     return _exposed(npu_flash_attn_func)
 
 
-def _build_varlen(stock, npu, on_error):
-    fused_sink = sink_requirement(npu) is None
+def _build_varlen(stock, npu, on_error, fused_sink=True):
     get_mask, causal_mode = _stock_mask(stock)
     failed = []
 
@@ -190,6 +194,70 @@ def _build_varlen(stock, npu, on_error):
         return torch.cat(pieces)
 
     return _exposed(npu_flash_attn_varlen_func)
+
+
+def _sinks_reach_the_op():
+    """Whether transformers' Ascend functions take ``s_aux`` now (this kernel's replacements do, the
+    stock ones do not): transformers passes the sinks only to a function whose signature has it."""
+    module = sys.modules.get(_INTEGRATION)
+    functions = [
+        getattr(module, name, None) for name in ("npu_flash_attn_func", "npu_flash_attn_varlen_func")
+    ]
+    return all(f is not None and "s_aux" in inspect.signature(f).parameters for f in functions)
+
+
+def _build_choice(stock, npu, on_error):
+    """Keep ``flash_attention_2`` for a model whose class lists hub flash kernels.
+
+    transformers 5.x swaps FA2 for the first kernel a model's ``_compatible_flash_implementations``
+    names (gpt-oss: ``kernels-community/vllm-flash-attn3``, built for CUDA only); on an NPU that name is
+    not registered and the first forward raises KeyError. FA2 on the NPU is transformers' Ascend
+    functions: with this kernel's replacements in that module they take the sinks, so the model keeps
+    FA2. Without them the sinks would be dropped: the load is refused with the reason.
+    """
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        listed = getattr(self, _HUB_LIST, None)
+        if attn_implementation != "flash_attention_2" or not listed:
+            return stock(self, attn_implementation, *args, **kwargs)
+        if not _sinks_reach_the_op():
+            raise ValueError(
+                f"{type(self).__name__}: attn_implementation='flash_attention_2' on the NPU runs "
+                f"transformers' Ascend functions ({_INTEGRATION}), which drop this model's attention sinks "
+                "unless npu-autopatch's attention kernel is applied there (it is not: see "
+                f"npu_autopatch.status()['npu_flash_attention']), and the hub kernels this model lists "
+                f"({', '.join(listed)}) have no NPU build. Use attn_implementation='eager', or enable the "
+                "attention kernel."
+            )
+        own = vars(self)
+        own[_HUB_LIST] = None  # this instance keeps FA2: transformers reads the list through getattr
+        try:
+            return stock(self, attn_implementation, *args, **kwargs)
+        finally:
+            own.pop(_HUB_LIST, None)
+
+    return _check_and_adjust_attn_implementation
+
+
+def _probe_choice(stock, candidate):
+    """The replacement differs from stock only in FA2 with a hub list: the stock method must be the
+    one that reads that list per instance (``getattr(self, ...)``), with the parameters it passes on."""
+    wrong = signature_reason(stock, _CHOICE)
+    if wrong:
+        return wrong
+    code = getattr(stock, "__code__", None)
+    if code is None or _HUB_LIST not in code.co_consts:
+        return f"the stock method does not read {_HUB_LIST} from the instance"
+    return None
+
+
+def _unfused_sinks(build):
+    """``build`` for a torch_npu whose npu_fusion_attention has no ``sink`` (before op-plugin 7.3.0)."""
+
+    def build_unfused_sinks(stock, npu, on_error):
+        return build(stock, npu, on_error, fused_sink=False)
+
+    return build_unfused_sinks
 
 
 def _eager(q, k, v, scale, causal, window, sink):
@@ -227,8 +295,14 @@ def _window_size(window):
     return None if window is None else (window - 1, window - 1)
 
 
+def _mask_reason(stock):
+    if None in _stock_mask(stock):
+        return "its module has no get_attn_mask_npu and SPARSE_MODE (the compressed mask the op takes)"
+    return None
+
+
 def _probe_dense(stock, candidate):
-    wrong = signature_reason(stock, _DENSE)
+    wrong = signature_reason(stock, _DENSE) or _mask_reason(stock)
     if wrong:
         return wrong
     q, k, v, sink = _probe_inputs()
@@ -247,7 +321,7 @@ def _probe_dense(stock, candidate):
 
 
 def _probe_varlen(stock, candidate):
-    wrong = signature_reason(stock, _VARLEN)
+    wrong = signature_reason(stock, _VARLEN) or _mask_reason(stock)
     if wrong:
         return wrong
     q, k, v, sink = _probe_inputs()
@@ -272,5 +346,14 @@ def _probe_varlen(stock, candidate):
 ATTENTION = Kernel(
     "attention",
     ("npu_fusion_attention",),
-    (Variant("dense", _build_dense, _probe_dense), Variant("varlen", _build_varlen, _probe_varlen)),
+    fallback="unfused attention (eager math on the device: stock would drop the window and the sinks)",
+    variants=(
+        Variant("dense", _build_dense, _probe_dense, requires=sink_requirement),
+        Variant("varlen", _build_varlen, _probe_varlen, requires=sink_requirement),
+        # A torch_npu without ``sink``: the same, the calls with sinks unfused; the variant's name in
+        # status() says so.
+        Variant("dense_unfused_sinks", _unfused_sinks(_build_dense), _probe_dense),
+        Variant("varlen_unfused_sinks", _unfused_sinks(_build_varlen), _probe_varlen),
+        Variant("keep_fa2", _build_choice, _probe_choice),
+    ),
 )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import inspect
 import json
 import platform
 import sys
@@ -137,6 +138,100 @@ def sweep_report(npu, dtypes, device: str, models) -> dict:
     return {"cases": rows, "passed": all(r["status"] != "FAIL" for r in rows)}
 
 
+# (case name, causal, window W or None, with sinks): what transformers passes, W = 3 shorter than S = 7.
+ATTENTION_CASES = (
+    ("causal", True, None, False),
+    ("window 3, causal", True, 3, False),
+    ("window 3", False, 3, False),
+    ("full", False, None, False),
+    ("window 3, causal, sinks", True, 3, True),
+    ("causal, sinks", True, None, True),
+)
+
+
+def attention_report(npu, dtypes, device: str) -> dict:
+    """transformers' Ascend flash-attention functions as the attention kernel builds them for this
+    torch_npu, on the device, against eager attention in fp32 on the CPU: a causal batch, sliding
+    windows, sinks; BSND (``npu_flash_attn_func``) and TND (the varlen one, two sequences of 7). A case
+    passes when it matches and the fused op ran (for sinks: where this torch_npu has ``sink``) without
+    raising."""
+    import math
+
+    import torch
+
+    from ..kernels import KERNELS
+    from ..kernels import attention as kernel
+    from ..kernels._requirements import sink_requirement
+    from ..testing.parity import TOLERANCE
+
+    try:
+        integration = importlib.import_module("transformers.integrations.npu_flash_attention")
+    except Exception as exc:  # transformers without the Ascend integration
+        return {"cases": [], "passed": False, "error": f"{type(exc).__name__}: {exc}"}
+    fused_sinks = sink_requirement(npu) is None
+    names = ("dense", "varlen") if fused_sinks else ("dense_unfused_sinks", "varlen_unfused_sinks")
+    variants = {v.name: v for v in KERNELS["attention"].variants}
+    functions = {
+        "npu_flash_attn_func": (variants[names[0]], integration.npu_flash_attn_func),
+        "npu_flash_attn_varlen_func": (variants[names[1]], integration.npu_flash_attn_varlen_func),
+    }
+    q, k, v, sink = kernel._probe_inputs()
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        on = [t.to(device=device, dtype=dtype) for t in (q, k, v)]
+        for function, (variant, stock) in functions.items():
+            for case, causal, window, sunk in ATTENTION_CASES:
+                raised = []
+                built = variant.build(inspect.unwrap(stock), npu, _recorder(raised))
+                expected = kernel._eager(q, k, v, scale, causal, window, sink if sunk else None)
+                kwargs = {
+                    "softmax_scale": scale,
+                    "causal": causal,
+                    "window_size": kernel._window_size(window),
+                }
+                kwargs["s_aux"] = sink.to(device) if sunk else None
+                with counting_ops(npu) as calls:
+                    try:
+                        if function == "npu_flash_attn_func":
+                            got = built(*on, **kwargs)
+                        else:
+                            cu = torch.tensor([0, 7, 14], dtype=torch.int32, device=device)
+                            flat = [t.flatten(0, 1) for t in on]
+                            got = built(*flat, cu, cu, 7, 7, **kwargs).view(expected.shape)
+                        error = _relative(got.float().cpu(), expected)
+                    except Exception as exc:
+                        raised.append(exc)
+                        error = float("nan")
+                fused_expected = fused_sinks or not sunk
+                fused = calls["npu_fusion_attention"]
+                passed = not raised and error <= TOLERANCE[dtype] and (fused > 0) == fused_expected
+                rows.append(
+                    {
+                        "function": function,
+                        "case": case,
+                        "dtype": dtype_name,
+                        "variant": variant.name,
+                        "status": "pass" if passed else "FAIL",
+                        "fused_calls": fused,
+                        "fused_expected": fused_expected,
+                        "max_error": error,
+                        "error": f"{type(raised[0]).__name__}: {raised[0]}" if raised else None,
+                    }
+                )
+    return {"cases": rows, "passed": all(r["status"] == "pass" for r in rows)}
+
+
+def _recorder(raised: list):
+    """An on_error that keeps what the fused op raised: a finding of verify, not a silent fallback."""
+    return lambda exc, *tensors: raised.append(exc)
+
+
+def _relative(got, expected) -> float:
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
 def run(models, dtypes, device: str, npu, simulated: bool, sweep: bool = True) -> dict:
     """Verify each model in each dtype, then sweep the rotary functions; patching is left off (main()
     puts the user's selection back)."""
@@ -179,13 +274,16 @@ def run(models, dtypes, device: str, npu, simulated: bool, sweep: bool = True) -
                 }
             )
     rope_sweep = sweep_report(npu, dtypes, device, models) if sweep else None
+    attention = attention_report(npu, dtypes, device)
     return {
         "environment": environment(npu, device, simulated),
         "decisions": chosen,
         "results": results,
         "rope_sweep": rope_sweep,
+        "attention": attention,
         "passed": all(r["status"] in ("pass", "not present") for r in results)
-        and (rope_sweep is None or rope_sweep["passed"]),
+        and (rope_sweep is None or rope_sweep["passed"])
+        and attention["passed"],
     }
 
 
@@ -246,6 +344,10 @@ def format_report(report: dict) -> str:
             for r in report["rope_sweep"]["cases"]
             if r["status"] == "FAIL"
         ]
+    lines += _attention_lines(report["attention"])
+    failed += [
+        f"attention: {r['function']} {r['case']} {r['dtype']}" for r in _failed(report["attention"]["cases"])
+    ]
     verdict = (
         f"VERIFIED: patched matches stock for every model on {env['device']} ({env['device_name']})"
         if report["passed"]
@@ -274,6 +376,20 @@ def _sweep_lines(rope_sweep: dict) -> list[str]:
         lines.append(f"  FAIL {c['variant']} {c['shape']} {c['dtype']} ({', '.join(c['models'])}): {why}")
     skipped = [c for c in cases if c["status"] == "skipped"]
     lines += [f"  skipped {c['variant']} ({', '.join(c['models'])}): {c['error']}" for c in skipped]
+    return lines
+
+
+def _attention_lines(attention: dict) -> list[str]:
+    if "error" in attention:
+        return [f"attention cases: not run: {attention['error']}"]
+    cases = attention["cases"]
+    fused = sum(1 for c in cases if c["fused_calls"])
+    variants = ", ".join(sorted({c["variant"] for c in cases}))
+    passed = len(cases) - len(_failed(cases))
+    lines = [f"attention (FA2 on the NPU, {variants}): {len(cases)} cases, {passed} pass, fused in {fused}"]
+    for c in _failed(cases):
+        why = c["error"] or f"error {c['max_error']:.1e}, fused calls {c['fused_calls']}"
+        lines.append(f"  FAIL {c['function']} {c['case']} {c['dtype']}: {why}")
     return lines
 
 

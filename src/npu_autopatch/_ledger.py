@@ -27,6 +27,7 @@ class Slot:
         "kernel",
         "original",
         "owner",
+        "refresh",
         "replacement",
         "seen",
         "variant",
@@ -34,7 +35,17 @@ class Slot:
     )
 
     def __init__(
-        self, owner, attr, original, replacement, had_own, where, kernel=None, variant=None, seen=_ORIGINAL
+        self,
+        owner,
+        attr,
+        original,
+        replacement,
+        had_own,
+        where,
+        kernel=None,
+        variant=None,
+        seen=_ORIGINAL,
+        refresh=None,
     ):
         self.owner = owner  # kept alive so that id(owner) in the ledger key stays valid
         self.attr = attr
@@ -46,6 +57,7 @@ class Slot:
         self.kernel = kernel  # None for plumbing (transformers' experts registry and its default)
         self.variant = variant
         self.seen = original if seen is _ORIGINAL else seen  # what the plan found there (checked at commit)
+        self.refresh = refresh  # the kernel's refresh(): a cache of this attribute follows each swap
 
     def current(self):
         return current(self.owner, self.attr)
@@ -73,6 +85,8 @@ def _restore(slot):
         _put(slot.owner, slot.attr, slot.original)
     else:
         _remove(slot.owner, slot.attr)
+    if slot.refresh is not None:
+        slot.refresh()
 
 
 def release(key, model_type):
@@ -128,6 +142,8 @@ def commit(model_type, module, steps, placed_paths):
             if key not in STATE.slots:
                 _put(slot.owner, slot.attr, slot.replacement)
                 STATE.slots[key] = slot
+                if slot.refresh is not None:
+                    slot.refresh()
                 if slot.current() is not slot.replacement:  # e.g. a metaclass that rewrites attributes
                     slot.holders.add(model_type)
                     done.append(key)

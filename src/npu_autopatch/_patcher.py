@@ -402,9 +402,9 @@ def _plan(model, module, config, generation):
             steps += more
             placed += more_placed
             continue
-        steps.append(
-            (key, _ledger.Slot(owner, attr, current, replacement, had_own, where, kernel.name, variant.name))
-        )
+        names = (kernel.name, variant.name)
+        slot = _ledger.Slot(owner, attr, current, replacement, had_own, where, *names, refresh=kernel.refresh)
+        steps.append((key, slot))
         placed.append((path, key))
     return steps, placed, stock
 

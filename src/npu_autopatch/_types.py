@@ -58,16 +58,22 @@ class Kernel:
     (the attention kernel: eager math on the device, since stock would drop the window): the
     replacement then stays in place and the WARNING and status() say so. Without it, the stock
     code is put back.
+
+    ``refresh()``, when given, runs right after one of the kernel's targets is swapped in or
+    put back, under the package lock: for a kernel whose targets someone else caches (transformers
+    keeps the flash-attention functions it loaded), it points that cache at what the target holds
+    now. It must be quick and must not raise.
     """
 
-    __slots__ = ("fallback", "name", "ops", "requires", "variants")
+    __slots__ = ("fallback", "name", "ops", "refresh", "requires", "variants")
 
-    def __init__(self, name, ops, variants, requires=None, fallback=None):
+    def __init__(self, name, ops, variants, requires=None, fallback=None, refresh=None):
         self.name = name
         self.ops = tuple(ops)
         self.variants = tuple(variants)
         self.requires = requires
         self.fallback = fallback
+        self.refresh = refresh
 
 
 class Target:

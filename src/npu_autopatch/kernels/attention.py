@@ -343,6 +343,36 @@ def _probe_varlen(stock, candidate):
     )
 
 
+# transformers' cache of the functions it loaded (modeling_flash_attention_utils), per function.
+_CACHED = (("_flash_fn", "npu_flash_attn_func"), ("_flash_varlen_fn", "npu_flash_attn_varlen_func"))
+
+
+def _refresh_transformers_cache():
+    """Point transformers' cache of the NPU flash functions at what the integration module holds now.
+
+    transformers loads them, and builds its keyword filter from the varlen function's signature, on
+    the first flash-attention forward or model, and 5.x keeps them for the process: without this, an
+    enable() after that (a stock run first, in a notebook or a comparison script) would report the
+    kernel applied while the cached stock functions still dropped the windows, and a disable() would
+    leave the replacements running. Only a cache holding the integration's own functions (stock or
+    ours) is touched; one holding another implementation is left alone.
+    """
+    utils = sys.modules.get("transformers.modeling_flash_attention_utils")
+    integration = sys.modules.get("transformers.integrations.npu_flash_attention")
+    if utils is None or integration is None:
+        return
+    varlen_moved = False
+    for cached, name in _CACHED:
+        held, now = getattr(utils, cached, None), getattr(integration, name, None)
+        if held is None or now is None or held is now:
+            continue
+        if held is getattr(now, "__wrapped__", None) or getattr(held, "__wrapped__", None) is now:
+            setattr(utils, cached, now)
+            varlen_moved |= cached == "_flash_varlen_fn"
+    if varlen_moved and getattr(utils, "_process_flash_kwargs_fn", None) is not None:
+        utils._process_flash_kwargs_fn = utils._lazy_define_process_function(utils._flash_varlen_fn)
+
+
 ATTENTION = Kernel(
     "attention",
     ("npu_fusion_attention",),
@@ -356,4 +386,5 @@ ATTENTION = Kernel(
         Variant("varlen_unfused_sinks", _unfused_sinks(_build_varlen), _probe_varlen),
         Variant("keep_fa2", _build_choice, _probe_choice),
     ),
+    refresh=_refresh_transformers_cache,
 )

@@ -47,6 +47,7 @@ _SOURCES = (
     "mlp.py",
     "rope.py",
     "moe.py",
+    "attention.py",
     "linear_attention.py",
     "gated_delta_scan.py",
 )
@@ -110,14 +111,13 @@ def _value(h, name, value, seen, depth, owner, closure=False):
                 _code(h, value.__code__)
         else:
             h.update(f"{name}={value.__module__}.{value.__qualname__}".encode())
-    elif isinstance(value, types.ModuleType):
-        h.update(f"{name}=module:{value.__name__}".encode())
     elif isinstance(value, _SIMPLE):
         h.update(f"{name}={value!r}".encode())
     elif isinstance(value, type):
         h.update(f"{name}=class:{value.__module__}.{value.__qualname__}".encode())
-    else:
-        h.update(f"{name}=obj:{type(value).__module__}.{type(value).__qualname__}".encode())
+    # A module or any other object counts by the name the code uses (in co_names), as an unbound
+    # name does: transformers' npu_flash_attention binds torch_npu and npu_fusion_attention only
+    # on an NPU, and its code must have one fingerprint wherever the module was first imported.
 
 
 def _function(h, fn, seen, depth, owner):

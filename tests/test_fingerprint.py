@@ -9,6 +9,8 @@ import transformers
 from npu_autopatch.kernels import KERNELS, Kernel, Variant, _fingerprint, _verdicts, choose_variant
 from npu_autopatch.tools import verdicts as generator
 
+from .conftest import run_python
+
 REGENERATE = (
     "the shipped verdicts are stale: run `python -m npu_autopatch.kernels --write` "
     "with .venv and with .venv-tf4, and commit kernels/_verdicts.py"
@@ -162,3 +164,25 @@ def test_a_shipped_refusal_is_the_live_one_word_for_word(monkeypatch):
         checked += 1
     if not checked:
         pytest.skip(f"no shipped refusal is for transformers {transformers.__version__}")
+
+
+FLASH_PRINTS = """
+from npu_autopatch.kernels import _fingerprint
+from npu_autopatch.testing import stand_in
+if ON_DEVICE:
+    device = stand_in()
+    device.__enter__()  # kept: a dropped context manager would close at once
+import transformers.integrations.npu_flash_attention as m
+print("PRINTS", *map(_fingerprint.fingerprint, (m.npu_flash_attn_func, m.npu_flash_attn_varlen_func)))
+"""
+
+
+def test_the_npu_flash_functions_have_one_fingerprint_with_or_without_torch_npu():
+    """transformers' npu_flash_attention binds torch_npu and npu_fusion_attention only on an NPU: the
+    verdicts, made on either side, must hit on the device, and not depend on which test imported it first."""
+    found = []
+    for on_device in (False, True):
+        result = run_python(f"ON_DEVICE = {on_device}\n{FLASH_PRINTS}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        found.append(result.stdout.split("PRINTS", 1)[1].split())
+    assert found[0] == found[1] and "None" not in found[0], found

@@ -373,7 +373,7 @@ with stand_in() as npu:
     import npu_autopatch
 
     if patch:
-        npu_autopatch.enable(models=["npu_flash_attention"])
+        npu_autopatch.enable(models=["npu_flash_attention", "flash_attention_utils"])
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -429,14 +429,15 @@ def syncs(patch):
 
 
 def test_host_copies_of_the_sequence_lengths_per_forward():
-    """A 4-layer model: stock copies cu_seqlens to the host twice per layer (q and k); patched, once per
-    tensor: once per forward with verl-style cu_seq_lens, once per layer when padded (transformers
-    unpads, making a new tensor, in every layer; its own ``.item()`` for the longest row is per layer too)."""
+    """A 4-layer model: stock copies cu_seqlens to the host twice per layer (q and k), and when padded
+    unpads the same mask again in every layer (its ``.item()`` for the longest row, and a ``nonzero``
+    that this count does not see); patched, once per forward: verl-style cu_seq_lens are copied once,
+    and the mask is unpadded once (``unpad_once``), so its one cu_seqlens is copied once."""
     stock, patched = syncs(False), syncs(True)
     assert stock["cu_seq_lens"] == {"cpu": 8}, stock
     assert patched["cu_seq_lens"] == {"tolist": 1}, patched
     assert stock["padded"] == {"cpu": 8, "item": 4}, stock
-    assert patched["padded"] == {"tolist": 4, "item": 4}, patched
+    assert patched["padded"] == {"tolist": 1, "item": 1}, patched
     assert stock["fused"] == patched["fused"] == 8
 
 
@@ -604,7 +605,7 @@ def test_report_names_each_attention_path(patch):
 
 
 def test_the_host_copy_is_made_again_for_a_modified_or_new_tensor():
-    ends = attention_kernel._HostEnds(size=2)
+    ends = attention_kernel._PerTensor(attention_kernel.HOST_ENDS._compute, size=2)
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     assert ends(cu) == (3, 5)
     cu[2] = 6  # in place: its version moves on

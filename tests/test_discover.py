@@ -228,8 +228,8 @@ def test_strict_mode_never_raises_for_a_candidate_nominated_by_its_name_only():
 
 STRICT_NO_NPU = """
 import npu_autopatch
-# Without npu_flash_attention, whose module transformers imports first (it would be the one named).
-npu_autopatch.enable(discover=True, strict=True, exclude="npu_flash_attention")
+# Without the two integrations, whose modules transformers imports first (they would be the ones named).
+npu_autopatch.enable(discover=True, strict=True, exclude=["npu_flash_attention", "flash_attention_utils"])
 try:
     from transformers.models.doge import modeling_doge
 except npu_autopatch.PatchError as exc:

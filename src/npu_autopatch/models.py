@@ -273,6 +273,13 @@ MODELS = {
             Target("attention", "npu_flash_attn_varlen_func"),
             module="transformers.integrations.npu_flash_attention",
         ),
+        # Not a model type either: the unpadding transformers' flash-attention path runs in every
+        # layer of a padded batch, made once per mask (kernels/attention.py, unpad_once).
+        Model(
+            "flash_attention_utils",
+            Target("attention", "_get_unpad_data"),
+            module="transformers.modeling_flash_attention_utils",
+        ),
     )
 }
 
@@ -280,5 +287,5 @@ MODELS = {
 # entry-point plugins and register() add to it, through _control and _plugins only.
 BUILTIN = tuple(MODELS)
 # The entries that are no model type: a module every model calls (no tiny model, no modeling module).
-INTEGRATIONS = frozenset({"npu_flash_attention"})
+INTEGRATIONS = frozenset({"npu_flash_attention", "flash_attention_utils"})
 MODEL_TYPES = tuple(name for name in BUILTIN if name not in INTEGRATIONS)

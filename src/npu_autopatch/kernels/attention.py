@@ -53,29 +53,31 @@ _HUB_LIST = "_compatible_flash_implementations"
 _INTEGRATION = "transformers.integrations.npu_flash_attention"
 
 
-class _HostEnds:
-    """``cu_seqlens[1:]`` as a host tuple, copied once per tensor: keyed by identity and version (a dead
-    or modified tensor is copied again), the last few kept (a forward has one or two)."""
+class _PerTensor:
+    """``compute(tensor)`` once per tensor: keyed by identity and version (a dead or modified tensor is
+    computed again), the last few kept (a forward has one or two)."""
 
-    def __init__(self, size: int = 8) -> None:
+    def __init__(self, compute, size: int = 8) -> None:
+        self._compute = compute
         self._size = size
-        self._entries: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}
+        self._entries: dict[int, tuple] = {}
         self._lock = threading.Lock()  # threads (e.g. pipeline stages) share it
 
-    def __call__(self, cu_seqlens: torch.Tensor) -> tuple[int, ...]:
-        key = id(cu_seqlens)
+    def __call__(self, tensor: torch.Tensor):
+        key = id(tensor)
         entry = self._entries.get(key)
-        if entry is not None and entry[0]() is cu_seqlens and entry[1] == cu_seqlens._version:
+        if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
             return entry[2]
-        ends = tuple(cu_seqlens[1:].tolist())  # the one device-to-host copy
+        value = self._compute(tensor)
         with self._lock:
             if len(self._entries) >= self._size:
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, ends)
-        return ends
+            self._entries[key] = (weakref.ref(tensor), tensor._version, value)
+        return value
 
 
-HOST_ENDS = _HostEnds()
+# ``cu_seqlens[1:]`` as a host tuple: the one device-to-host copy per tensor.
+HOST_ENDS = _PerTensor(lambda cu_seqlens: tuple(cu_seqlens[1:].tolist()))
 
 
 def _band(causal, window_size):
@@ -251,6 +253,48 @@ def _probe_choice(stock, candidate):
     return None
 
 
+def _build_unpad_once(stock, npu, on_error):
+    """transformers' ``_get_unpad_data(attention_mask)``, once per mask rather than once per layer.
+
+    For a padded batch, every flash-attention layer unpads anew from the same 2-D mask: a
+    ``nonzero`` and an ``.item()`` (two device-to-host syncs) and a fresh ``cu_seqlens``, which the
+    varlen replacement must copy to the host again. The mask is one tensor for the whole forward, so
+    its unpadding data are computed for its first layer and handed to the others (the same tensors:
+    integer indices, no gradient); a modified or new mask is unpadded again. Under ``torch.compile``
+    the stock function runs: a graph cannot hold the cache.
+    """
+    cached = _PerTensor(stock)
+
+    def _get_unpad_data(attention_mask):
+        if torch.compiler.is_compiling():
+            return stock(attention_mask)
+        return cached(attention_mask)
+
+    return _get_unpad_data
+
+
+def _probe_unpad_once(stock, candidate):
+    """The same data as stock for padded masks, from the cache the second time, and again after the
+    mask changed in place."""
+    wrong = signature_reason(stock, ("attention_mask",))
+    if wrong:
+        return wrong
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    mask[2, 1:] = 0
+
+    def as_tensors(unpad_data):  # (indices, cu_seqlens, max_seqlen: an int)
+        indices, cu_seqlens, longest = unpad_data
+        return indices, cu_seqlens, torch.tensor(longest)
+
+    def compare():
+        return agree(lambda: as_tensors(stock(mask.clone())), lambda: as_tensors(candidate(mask)))
+
+    first, again = compare(), compare()
+    mask[0, 5] = 0  # the next batch's mask, written into the same tensor
+    return first_disagreement(first, again, compare())
+
+
 def _unfused_sinks(build):
     """``build`` for a torch_npu whose npu_fusion_attention has no ``sink`` (before op-plugin 7.3.0)."""
 
@@ -385,6 +429,7 @@ ATTENTION = Kernel(
         Variant("dense_unfused_sinks", _unfused_sinks(_build_dense), _probe_dense),
         Variant("varlen_unfused_sinks", _unfused_sinks(_build_varlen), _probe_varlen),
         Variant("keep_fa2", _build_choice, _probe_choice),
+        Variant("unpad_once", _build_unpad_once, _probe_unpad_once),
     ),
     refresh=_refresh_transformers_cache,
 )

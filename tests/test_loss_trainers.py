@@ -3,6 +3,8 @@
 TRL 1.x's SFTTrainer puts its own chunked LM head on the model instance and computes the training
 loss (and its token accuracy and entropy) with it: with the loss kernel on too, exactly one of them
 computes the loss (TRL's), the losses are the stock run's step by step, and report() says whose.
+TRL 0.x's SFTTrainer reads ``outputs.logits`` in training: the switch must stay off with it (the
+README and docs/loss.md say so; the test pins that behaviour). Trainer runs: CI's full matrix.
 """
 
 import pytest
@@ -16,6 +18,7 @@ from npu_autopatch.testing.parity import tiny_model
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 TRL_1 = Version(trl.__version__) >= Version("1.0")
+pytestmark = pytest.mark.full
 
 
 def _tokenizer(vocab):
@@ -75,3 +78,11 @@ def test_sft_trainer_computes_the_loss_with_its_own_head_and_report_says_so(
     torch.testing.assert_close(accuracy, stock_accuracy, rtol=1e-4, atol=0)
     text = str(npu_autopatch.report(trainer.model))
     assert "FLAG loss" in text and "trl" in text, text
+
+
+@pytest.mark.skipif(TRL_1, reason="TRL 0.x reads the logits in training")
+def test_sft_trainer_0x_reads_the_logits_so_the_switch_stays_off_with_it(tmp_path, npu_stand_in):
+    """What docs/loss.md tells TRL 0.x users: its entropy metric needs outputs.logits in training."""
+    npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
+    with pytest.raises(AttributeError, match="NoneType"):
+        _sft(tiny_model("qwen3"), tmp_path)

@@ -46,29 +46,24 @@ from ._probe import _set, agree_strict, first_disagreement, generator, linear, p
 _LINEAR_FORWARD = torch.nn.Linear.forward
 
 
-def _plain_head(head):
-    """A bias-free nn.Linear whose forward nobody wraps: its output is ``hidden @ weight.T``."""
-    return (
-        isinstance(head, torch.nn.Linear)
-        and type(head).forward is _LINEAR_FORWARD
-        and head.bias is None
-        and not head._forward_pre_hooks
-        and not head._forward_hooks
-    )
-
-
-def steps_aside(model) -> str | None:
-    """Why this instance's training calls with labels take the stock loss, or None (for report())."""
-    head = getattr(model, "lm_head", None)
+def _head_differs(head) -> str | None:
+    """Why the head's output is not plainly ``hidden @ weight.T`` (None: a bias-free nn.Linear
+    whose forward nobody wraps)."""
     if not isinstance(head, torch.nn.Linear) or type(head).forward is not _LINEAR_FORWARD:
         return f"its lm_head is a {type(head).__name__}, not an nn.Linear (PEFT on the head?)"
     if head.bias is not None:
         return "its lm_head has a bias"
     if head._forward_pre_hooks or head._forward_hooks:
         return "its lm_head has hooks of its own (FSDP2 sharding it by itself, DeepSpeed, accelerate offload)"
-    if getattr(model, "loss_function", None) is not _stock_loss_function():
-        return "its loss_function is not transformers' ForCausalLMLoss"
     return None
+
+
+def steps_aside(model) -> str | None:
+    """Why this instance's training calls with labels take the stock loss, or None (for report())."""
+    why = _head_differs(getattr(model, "lm_head", None))
+    if why is None and getattr(model, "loss_function", None) is not _stock_loss_function():
+        why = "its loss_function is not transformers' ForCausalLMLoss"
+    return why
 
 
 def _stock_loss_function():
@@ -93,7 +88,7 @@ def _build(stock, npu, on_error):
             or not return_dict
             or not self.training
             or not torch.is_grad_enabled()
-            or not _plain_head(head)
+            or _head_differs(head) is not None
             or self.loss_function is not causal_lm_loss
         ):
             return stock(self, *args, **kwargs)
@@ -242,7 +237,7 @@ def _probe(stock, candidate):
             "vocab_size": vocab,
             "num_experts": 4,
             "num_experts_per_tok": 2,
-            "router_aux_loss_coef": 0.37,
+            "router_aux_loss_coef": 0.37,  # as its text config's: a real model copies it from there
             "loss_type": "ForCausalLM",
         }
         for name, value in attributes.items():

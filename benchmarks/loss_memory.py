@@ -3,14 +3,16 @@
 Stock is what a ``*ForCausalLM`` does in training: ``logits = hidden @ W.T`` in the model dtype,
 then ``ForCausalLMLoss`` (fp32 upcast, cross-entropy), then backward to the hidden states and the
 weight. Chunked is ``npu_autopatch.losses.linear_cross_entropy`` on the same tensors. Each
-configuration runs in a fresh process: its peak is the process's high-water mark (ru_maxrss)
-minus its resident size just before the step (the weight, the hidden states and torch are in the
-baseline; the weight's gradient and everything the step allocates are in the peak). The time is
-the best of the timed steps after that first one. Vocab 151,936 (Qwen3), hidden 1,024, one in
-ten labels -100. A stock step whose logits would not fit in the available memory (16 bytes per
-logit: the logits, their log-softmax and two gradients) is left out and said so.
+configuration runs in a fresh process: its peak is the process's high-water mark (VmHWM, reset
+just before the step, so the setup's temporaries do not mask it) minus its resident size then (the
+weight, the hidden states and torch are in the baseline; the weight's gradient and everything the
+step allocates are in the peak). The time is
+the best of the timed steps after that first one. Vocab 151,936 (Qwen3), hidden 1,024 (and
+4,096 with ``--hidden 4096``), one in ten labels -100. A stock step whose logits would not fit
+in the available memory (16 bytes per logit: the logits, their log-softmax and two gradients)
+is left out and said so.
 Run with the venv's python:
-    .venv/bin/python benchmarks/loss_memory.py [--quick]
+    .venv/bin/python benchmarks/loss_memory.py [--quick] [--tokens N ...] [--hidden H ...]
 ``--quick``: vocab 8,192, hidden 256, 512 tokens, one timed step (tests/test_benchmarks.py).
 """
 
@@ -21,14 +23,26 @@ import subprocess
 import sys
 import time
 
-FULL = {"vocab": 151_936, "hidden": 1024, "tokens": (1024, 2048, 4096, 8192), "steps": 2}
-QUICK = {"vocab": 8192, "hidden": 256, "tokens": (512,), "steps": 1}
+FULL = {"vocab": 151_936, "hidden": (1024,), "tokens": (1024, 2048, 4096, 8192), "steps": 2}
+QUICK = {"vocab": 8192, "hidden": (256,), "tokens": (512,), "steps": 1}
 RATIO_TOKENS = 4096
 
 
 def _resident_mb():
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _high_water_mb():
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return int(fields["VmHWM"].split()[0]) / 1024
+
+
+def _reset_high_water():
+    """Linux: writing 5 to clear_refs resets VmHWM to the current resident size."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
 
 
 def _available_mb():
@@ -59,11 +73,12 @@ def child(impl, dtype_name, tokens, vocab, hidden_size, steps):
             loss = linear_cross_entropy(hidden, weight, labels)
         loss.backward()
 
+    _reset_high_water()
     before = _resident_mb()
     start = time.perf_counter()
     step()
     times = [time.perf_counter() - start]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    peak = _high_water_mb() - before
     for _ in range(steps - 1):
         start = time.perf_counter()
         step()
@@ -75,9 +90,9 @@ def _row(*cells):
     return f"{cells[0]:<9}" + "".join(f"{cell:>12}" for cell in cells[1:])
 
 
-def run(impl, dtype, tokens, setting):
+def run(impl, dtype, tokens, hidden, setting):
     args = [sys.executable, __file__, "--child", impl, dtype, str(tokens), str(setting["vocab"])]
-    args += [str(setting["hidden"]), str(setting["steps"])]
+    args += [str(hidden), str(setting["steps"])]
     done = subprocess.run(args, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -86,6 +101,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tokens", type=int, nargs="+", help="token counts (default 1,024-8,192)")
+    parser.add_argument("--hidden", type=int, nargs="+", help="hidden sizes (default 1,024)")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
@@ -94,22 +110,28 @@ def main():
     setting = QUICK if options.quick else FULL
     if options.tokens:
         setting = {**setting, "tokens": tuple(options.tokens)}
-    print(f"LM head + loss, forward + backward: vocab {setting['vocab']:,}, hidden {setting['hidden']:,}")
-    print(_row("dtype", "tokens", "stock MB", "chunked MB", "peak ratio", "stock s", "chunked s"))
-    for dtype in ("float32", "bfloat16"):
-        for tokens in setting["tokens"]:
-            chunked = run("chunked", dtype, tokens, setting)
-            peak, seconds = f"{chunked['peak_mb']:.0f}", f"{chunked['seconds']:.2f}"
-            if tokens * setting["vocab"] * 16 / 2**20 > _available_mb():
-                print(_row(dtype, tokens, "(no room)", peak, "-", "-", seconds))
-                continue
-            stock = run("stock", dtype, tokens, setting)
-            ratio = stock["peak_mb"] / chunked["peak_mb"]
-            cells = (f"{stock['peak_mb']:.0f}", peak, f"{ratio:.1f}x", f"{stock['seconds']:.2f}", seconds)
-            print(_row(dtype, tokens, *cells))
-            if tokens == RATIO_TOKENS or options.quick:
-                speed = chunked["seconds"] / stock["seconds"]
-                print(f"{dtype} at {tokens} tokens: peak {ratio:.1f}x lower, time {speed:.2f}x stock")
+    if options.hidden:
+        setting = {**setting, "hidden": tuple(options.hidden)}
+    print(f"LM head + loss, forward + backward: vocab {setting['vocab']:,}")
+    print(_row("dtype", "hidden", "tokens", "stock MB", "chunked MB", "peak ratio", "stock s", "chunked s"))
+    for hidden in setting["hidden"]:
+        for dtype in ("float32", "bfloat16"):
+            for tokens in setting["tokens"]:
+                chunked = run("chunked", dtype, tokens, hidden, setting)
+                peak, seconds = f"{chunked['peak_mb']:.0f}", f"{chunked['seconds']:.2f}"
+                if tokens * setting["vocab"] * 16 / 2**20 > _available_mb():
+                    print(_row(dtype, hidden, tokens, "(no room)", peak, "-", "-", seconds))
+                    continue
+                stock = run("stock", dtype, tokens, hidden, setting)
+                ratio = stock["peak_mb"] / chunked["peak_mb"]
+                cells = (f"{stock['peak_mb']:.0f}", peak, f"{ratio:.1f}x", f"{stock['seconds']:.2f}", seconds)
+                print(_row(dtype, hidden, tokens, *cells), flush=True)
+                if tokens == RATIO_TOKENS or options.quick:
+                    speed = chunked["seconds"] / stock["seconds"]
+                    print(
+                        f"{dtype} at {tokens} tokens: peak {ratio:.1f}x lower, time {speed:.2f}x stock",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

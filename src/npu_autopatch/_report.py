@@ -74,7 +74,7 @@ class Flag:
     """Something a user wants to know: a target left stock, a gated kernel, a captured instance,
     code a kernel reproduces that nothing patches."""
 
-    # stock / gated / unpatched / captured-before-patching / captured-while-patched / instance-forward
+    # stock / gated / unpatched / captured-before-patching / captured-while-patched / instance-forward / loss
     kind: str
     subject: str  # the class or function it is about
     message: str
@@ -454,6 +454,7 @@ def report(model) -> CoverageReport:
             elif origin != OURS:
                 unpatched.append((where, module_name, name, obj, kind))
     flags += _unpatched_flags(unpatched, modeling, records)
+    flags += _loss_flags(groups, modules)
     config = getattr(model, "config", None)
     return CoverageReport(
         type(model).__qualname__,
@@ -501,6 +502,34 @@ def _flash_path(records) -> str:
     if home == integration.__name__:
         return "FA2 on the NPU, stock (drops sliding windows and sinks)"
     return f"FA2 on the NPU, foreign ({home}.{getattr(function, '__qualname__', '?')})"
+
+
+def _loss_flags(groups, modules):
+    """Whose code computes the training loss, where a class running our loss kernel does not: an
+    instance ``forward`` set over it (TRL's SFTTrainer puts its chunked LM head there, and computes
+    the loss with it), or a head or loss function the kernel steps aside for (the stock loss)."""
+    from .kernels.loss import steps_aside
+
+    flags = []
+    for (cls, instances), entry in zip(groups.items(), modules, strict=True):
+        if entry.kernel != "loss":
+            continue
+        for name, instance in instances:
+            subject = f"{cls.__qualname__} ({name})"
+            if "forward" in vars(instance):
+                hook = _defined_by(_function(vars(instance)["forward"]))
+                flags.append(
+                    Flag(
+                        "loss",
+                        subject,
+                        f"the loss is computed by the forward from {hook} set on this instance, not by ours, "
+                        "in the calls it does not pass on to the class's forward",
+                    )
+                )
+            why = steps_aside(instance)
+            if why is not None:
+                flags.append(Flag("loss", subject, f"the stock loss runs, with the logits: {why}"))
+    return flags
 
 
 def _unpatched_flags(unpatched, modeling, records):

@@ -12,24 +12,20 @@ the name: the patcher probes every target against the kernel before swapping.
 from ._types import Model, Target
 
 
-def _dense(model_type, prefix, rope=("apply_rotary_pos_emb",), since="4.57", loss=False):
-    """The llama family: a llama-style RMSNorm, a gated SiLU MLP and the named rotary functions.
-
-    ``loss``: the causal LM's forward takes the (opt-in) chunked loss kernel too.
-    """
+def _dense(model_type, prefix, rope=("apply_rotary_pos_emb",), since="4.57"):
+    """The llama family: a llama-style RMSNorm, a gated SiLU MLP, the named rotary functions and
+    the causal LM's forward (the opt-in loss kernel)."""
     return Model(
         model_type,
         Target("rms_norm", f"{prefix}RMSNorm.forward"),
         Target("swiglu", f"{prefix}MLP.forward"),
         *(Target("rope", path) for path in rope),
-        *((Target("loss", f"{prefix}ForCausalLM.forward"),) if loss else ()),
+        Target("loss", f"{prefix}ForCausalLM.forward"),
         since=since,
     )
 
 
-def _moe(
-    model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="4.57", experts="5.0", loss=False
-):
+def _moe(model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="4.57", experts="5.0"):
     """A dense-layer model plus routed experts: 5.x fused ``*Experts``, else the 4.x ``block``.
 
     Without ``block``, the experts target is left out before the release ``experts`` that fused
@@ -40,8 +36,7 @@ def _moe(
     dense = _dense(model_type, prefix, rope, since)
     fused = f"{prefix}Experts.forward"
     routed = Target("moe", fused, block) if block else Target("moe", fused, since=experts)
-    head = (Target("loss", f"{prefix}ForCausalLM.forward"),) if loss else ()
-    return Model(model_type, *dense.targets, routed, *head, since=since)
+    return Model(model_type, *dense.targets, routed, since=since)
 
 
 # In 4.x a sparse block's experts are a ModuleList and the whole block forward (or the
@@ -50,13 +45,14 @@ def _moe(
 MODELS = {
     m.model_type: m
     for m in (
-        # loss: the causal LM's forward, the opt-in chunked loss (kernels/loss.py).
-        _dense("llama", "Llama", loss=True),
-        _dense("mistral", "Mistral", loss=True),
-        _dense("qwen2", "Qwen2", loss=True),
-        _dense("qwen3", "Qwen3", loss=True),
+        # loss: every causal LM's forward (a VLM's: its text head), the opt-in chunked loss
+        # (kernels/loss.py); a head that does more (softcapping, logit scaling) is refused by its probe.
+        _dense("llama", "Llama"),
+        _dense("mistral", "Mistral"),
+        _dense("qwen2", "Qwen2"),
+        _dense("qwen3", "Qwen3"),
         _moe("qwen2_moe", "Qwen2Moe", "Qwen2MoeSparseMoeBlock.forward"),
-        _moe("qwen3_moe", "Qwen3Moe", "Qwen3MoeSparseMoeBlock.forward", loss=True),
+        _moe("qwen3_moe", "Qwen3Moe", "Qwen3MoeSparseMoeBlock.forward"),
         # The default path (config.rope_interleave=True); apply_rotary_pos_emb is the other one.
         _moe(
             "deepseek_v3",
@@ -74,6 +70,7 @@ MODELS = {
             Target("swiglu", "Qwen2_5_VLMLP.forward"),  # the vision tower's SwiGLU (with bias)
             Target("rope", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb"),
             Target("rope", "apply_rotary_pos_emb_vision"),
+            Target("loss", "Qwen2_5_VLForConditionalGeneration.forward"),
         ),
         Model(
             "qwen3_vl",
@@ -81,6 +78,7 @@ MODELS = {
             Target("swiglu", "Qwen3VLTextMLP.forward"),
             Target("rope", "apply_rotary_pos_emb"),
             Target("rope", "apply_rotary_pos_emb_vision"),
+            Target("loss", "Qwen3VLForConditionalGeneration.forward"),
         ),
         Model(
             "qwen3_vl_moe",
@@ -89,6 +87,7 @@ MODELS = {
             Target("rope", "apply_rotary_pos_emb"),
             Target("rope", "apply_rotary_pos_emb_vision"),
             Target("moe", "Qwen3VLMoeTextExperts.forward"),
+            Target("loss", "Qwen3VLMoeForConditionalGeneration.forward"),
         ),
         Model(
             "qwen3_next",
@@ -99,6 +98,7 @@ MODELS = {
             Target("moe", "Qwen3NextExperts.forward", "Qwen3NextSparseMoeBlock.forward"),
             Target("gated_delta_rule", "Qwen3NextDecoderLayer.forward"),  # packed sequences kept apart
             Target("gated_delta_rule", "torch_chunk_gated_delta_rule"),  # chunks scanned, not looped
+            Target("loss", "Qwen3NextForCausalLM.forward"),
         ),
         Model(
             "qwen3_5",
@@ -109,6 +109,8 @@ MODELS = {
             Target("rope", "apply_rotary_pos_emb_vision"),
             Target("gated_delta_rule", "Qwen3_5DecoderLayer.forward"),  # packed sequences kept apart
             Target("gated_delta_rule", "torch_chunk_gated_delta_rule"),  # chunks scanned, not looped
+            Target("loss", "Qwen3_5ForCausalLM.forward"),
+            Target("loss", "Qwen3_5ForConditionalGeneration.forward"),
             since="5.2",
         ),
         Model(
@@ -121,6 +123,8 @@ MODELS = {
             Target("moe", "Qwen3_5MoeExperts.forward"),
             Target("gated_delta_rule", "Qwen3_5MoeDecoderLayer.forward"),  # packed sequences kept apart
             Target("gated_delta_rule", "torch_chunk_gated_delta_rule"),  # chunks scanned, not looped
+            Target("loss", "Qwen3_5MoeForCausalLM.forward"),
+            Target("loss", "Qwen3_5MoeForConditionalGeneration.forward"),
             since="5.2",
         ),
         # Gemma3's MLP is GELU (gelu_pytorch_tanh), which no SiLU kernel reproduces: no swiglu target.
@@ -128,6 +132,8 @@ MODELS = {
             "gemma3",
             Target("rms_norm", "Gemma3RMSNorm.forward"),
             Target("rope", "apply_rotary_pos_emb"),
+            Target("loss", "Gemma3ForCausalLM.forward"),
+            Target("loss", "Gemma3ForConditionalGeneration.forward"),
         ),
         # --- issue 11: the models NPU users train (tests/test_parity_models.py lists why each
         # target is or is not there; the scan, python -m npu_autopatch scan, lists the rest) ---
@@ -139,6 +145,7 @@ MODELS = {
             # 4.57 mixes the mRoPE sections in the function, 5.x in the rotary embedding.
             Target("rope", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb"),
             Target("rope", "apply_rotary_pos_emb_vision"),
+            Target("loss", "Qwen2VLForConditionalGeneration.forward"),
             # The vision MLP is fc2(GELU(fc1)): not gated, stock.
         ),
         Model(
@@ -149,6 +156,7 @@ MODELS = {
             Target("rope", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb"),
             # Before 5.17 the vision rotary is (tensor, freqs), which no variant takes.
             Target("rope", "apply_rotary_pos_emb_vision", since="5.17"),
+            Target("loss", "Qwen2_5OmniThinkerForConditionalGeneration.forward"),
         ),
         Model(
             "qwen3_omni_moe",  # the thinker: text (MoE) and vision tower; audio is LayerNorm + GELU
@@ -162,6 +170,7 @@ MODELS = {
                 "Qwen3OmniMoeThinkerTextExperts.forward",
                 "Qwen3OmniMoeThinkerTextSparseMoeBlock.forward",
             ),
+            Target("loss", "Qwen3OmniMoeThinkerForConditionalGeneration.forward"),
         ),
         _dense("glm", "Glm"),  # fused gate_up_proj MLP; interleaved partial rotary, as glm4
         Model(
@@ -170,6 +179,7 @@ MODELS = {
             Target("swiglu", "Glm4vTextMLP.forward"),  # fused gate_up_proj
             Target("swiglu", "Glm4VisionMlp.forward"),  # the vision tower's SwiGLU (with bias)
             Target("rope", "apply_rotary_pos_emb_vision"),
+            Target("loss", "Glm4vForConditionalGeneration.forward"),
             # The text rotary (partial, even/odd, cos/sin used as given) is a form no variant has.
         ),
         Model(
@@ -180,6 +190,7 @@ MODELS = {
             Target("swiglu", "Glm4vMoeisionMlp.forward"),  # sic: transformers' name of the vision MLP
             Target("rope", "apply_rotary_pos_emb_vision"),
             Target("moe", "Glm4vMoeTextExperts.forward", "Glm4vMoeTextMoE.moe"),
+            Target("loss", "Glm4vMoeForConditionalGeneration.forward"),
             # The text rotary is left out: 4.57's is a partial mRoPE, which the probes refuse.
         ),
         # The fused *Experts of GLM-4.7-Flash, GLM-5 (glm_moe_dsa), DeepSeek-V3.2 and GraniteMoE came
@@ -197,6 +208,7 @@ MODELS = {
             Target("swiglu", "GlmMoeDsaMLP.forward"),
             Target("rope", "apply_rotary_pos_emb_interleave", since="5.11"),
             Target("moe", "GlmMoeDsaExperts.forward", since="5.13"),
+            Target("loss", "GlmMoeDsaForCausalLM.forward"),
             since="5.2",
         ),
         # DeepSeek-V2's rotary is a complex product (view_as_complex): no variant reproduces it.
@@ -217,12 +229,14 @@ MODELS = {
             "seed_oss",  # its MLP drops out its output (residual_dropout): no swiglu target
             Target("rms_norm", "SeedOssRMSNorm.forward"),
             Target("rope", "apply_rotary_pos_emb"),
+            Target("loss", "SeedOssForCausalLM.forward"),
         ),
         Model(
             "minimax_m2",  # every layer is sparse: no dense MLP
             Target("rms_norm", "MiniMaxM2RMSNorm.forward"),
             Target("rope", "apply_rotary_pos_emb"),  # partial
             Target("moe", "MiniMaxM2Experts.forward"),
+            Target("loss", "MiniMaxM2ForCausalLM.forward"),
             since="5.0",
         ),
         # LongCat-Flash's zero-computation (identity) experts are not the moe kernel's: no moe target.
@@ -233,6 +247,7 @@ MODELS = {
             Target("rms_norm", "KimiLinearRMSNorm.forward"),
             Target("swiglu", "KimiLinearMLP.forward"),
             Target("moe", "KimiLinearExperts.forward"),
+            Target("loss", "KimiLinearForCausalLM.forward"),
             since="5.17",
         ),
         Model(  # 4.57's sparse block adds router jitter and names its experts w1/w3/w2: stock there
@@ -240,11 +255,16 @@ MODELS = {
             Target("rms_norm", "MixtralRMSNorm.forward"),
             Target("rope", "apply_rotary_pos_emb"),
             Target("moe", "MixtralExperts.forward", since="5.0"),
+            Target("loss", "MixtralForCausalLM.forward"),
         ),
         _dense("ministral", "Ministral"),
         # Mistral3, like LLaVA and InternVL, runs a text model of its own model type (mistral,
         # ministral, llama, qwen2 ...), patched by that entry; this is the projector's norm.
-        Model("mistral3", Target("rms_norm", "Mistral3RMSNorm.forward")),
+        Model(
+            "mistral3",
+            Target("rms_norm", "Mistral3RMSNorm.forward"),
+            Target("loss", "Mistral3ForConditionalGeneration.forward"),
+        ),
         _dense("phi3", "Phi3"),  # fused gate_up_proj; partial rotary
         # OLMo 2/3's rotary casts q and k back to their dtype, which the half variant does not.
         _dense("olmo2", "Olmo2", rope=()),
@@ -256,6 +276,7 @@ MODELS = {
             Target("rms_norm", "GraniteMoeRMSNorm.forward"),
             Target("rope", "apply_rotary_pos_emb"),
             Target("moe", "GraniteMoeExperts.forward", since="5.13"),
+            Target("loss", "GraniteMoeForCausalLM.forward"),
         ),
         # gpt-oss: the norm only. Its experts are a clamped SwiGLU with bias on an interleaved
         # [E, H, 2I] layout and its rotary halves cos: no kernel reproduces them.
@@ -264,6 +285,7 @@ MODELS = {
             Target("rms_norm", "GptOssRMSNorm.forward"),
             # 5.x swaps FA2 for a CUDA-only hub kernel: on the NPU it keeps FA2 (kernels/attention.py).
             Target("attention", "GptOssPreTrainedModel._check_and_adjust_attn_implementation", since="5.0"),
+            Target("loss", "GptOssForCausalLM.forward"),
         ),
         # Not a model type: transformers' Ascend flash-attention functions, which every model running
         # attn_implementation="flash_attention_2" on an NPU calls (kernels/attention.py).

@@ -10,7 +10,8 @@ and its gradient is reduced like any other; a tied embedding is the same paramet
 the labels shifted as ``ForCausalLMLoss`` shifts them (or 5.x's ``shift_labels``), with its
 ``ignore_index`` and ``num_items_in_batch``. The forward's other terms come back with
 ``labels=None`` unadded: the MoE auxiliary loss is added as every table MoE model adds it,
-``router_aux_loss_coef * aux_loss``. The output is the stock one with ``logits=None``.
+``router_aux_loss_coef * aux_loss`` (the model's attribute, else its text config's). The output
+is the stock one with ``logits=None``.
 
 Why that is the stock loss: the probe runs the stock forward and this one on an instance of the
 real class whose base model returns fixed hidden states (and router logits), and compares the
@@ -24,9 +25,11 @@ Stock, untouched, for every call this does not reproduce or should not serve: ev
 gradients, ``labels`` absent or positional, ``return_dict=False``, a loss function other than
 ``ForCausalLMLoss`` (a user's ``loss_function``), a head that is not a bias-free ``nn.Linear``
 with no hooks of its own (PEFT, DeepSpeed, FSDP2 sharding the head alone, accelerate offload),
-autocast, a head dtype other than the hidden states'. When the head was not called exactly
-once, or the labels do not match the kept positions, the loss is the stock head's on the
-captured hidden states (the stock result, or the stock error). The forward is not thread-safe
+autocast, a head dtype other than the hidden states', and under torch.compile (dynamo would break
+the graph at the hook and the chunk loop's data-dependent rows, and ``fullgraph=True`` refuses
+them: compiled, the model runs its stock head and loss in the graph). When the head was not
+called exactly once, or the labels do not match the kept positions, the loss is the stock head's
+on the captured hidden states (the stock result, or the stock error). The forward is not thread-safe
 across concurrent calls on one model instance (the hook is per module), as no trainer does.
 """
 
@@ -43,15 +46,24 @@ from ._probe import _set, agree_strict, first_disagreement, generator, linear, p
 _LINEAR_FORWARD = torch.nn.Linear.forward
 
 
-def _plain_head(head):
-    """A bias-free nn.Linear whose forward nobody wraps: its output is ``hidden @ weight.T``."""
-    return (
-        isinstance(head, torch.nn.Linear)
-        and type(head).forward is _LINEAR_FORWARD
-        and head.bias is None
-        and not head._forward_pre_hooks
-        and not head._forward_hooks
-    )
+def _head_differs(head) -> str | None:
+    """Why the head's output is not plainly ``hidden @ weight.T`` (None: a bias-free nn.Linear
+    whose forward nobody wraps)."""
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not _LINEAR_FORWARD:
+        return f"its lm_head is a {type(head).__name__}, not an nn.Linear (PEFT on the head?)"
+    if head.bias is not None:
+        return "its lm_head has a bias"
+    if head._forward_pre_hooks or head._forward_hooks:
+        return "its lm_head has hooks of its own (FSDP2 sharding it by itself, DeepSpeed, accelerate offload)"
+    return None
+
+
+def steps_aside(model) -> str | None:
+    """Why this instance's training calls with labels take the stock loss, or None (for report())."""
+    why = _head_differs(getattr(model, "lm_head", None))
+    if why is None and getattr(model, "loss_function", None) is not _stock_loss_function():
+        why = "its loss_function is not transformers' ForCausalLMLoss"
+    return why
 
 
 def _stock_loss_function():
@@ -72,10 +84,11 @@ def _build(stock, npu, on_error):
         head = getattr(self, "lm_head", None)
         if (
             labels is None
+            or torch.compiler.is_compiling()
             or not return_dict
             or not self.training
             or not torch.is_grad_enabled()
-            or not _plain_head(head)
+            or _head_differs(head) is not None
             or self.loss_function is not causal_lm_loss
         ):
             return stock(self, *args, **kwargs)
@@ -105,15 +118,21 @@ def _build(stock, npu, on_error):
             if hidden is None:  # the head ran other than once: the stock forward, all of it
                 return stock(self, *args, **kwargs)
             logits = head(hidden)
-            loss = causal_lm_loss(logits, labels, self.config.vocab_size, **kwargs)
+            loss = causal_lm_loss(logits, labels, head.out_features, **kwargs)
         else:
             logits = None
         aux_loss = getattr(out, "aux_loss", None)
         if aux_loss is not None:
-            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+            loss = loss + _aux_loss_coefficient(self) * aux_loss.to(loss.device)
         return type(out)(**{**out, "loss": loss, "logits": logits})
 
     return forward
+
+
+def _aux_loss_coefficient(model):
+    """The MoE auxiliary loss's weight: the causal LM's own copy, else its text config's (a VLM)."""
+    coefficient = getattr(model, "router_aux_loss_coef", None)
+    return model.config.get_text_config().router_aux_loss_coef if coefficient is None else coefficient
 
 
 def _chunked_loss(hidden, weight, labels, kwargs):
@@ -134,7 +153,12 @@ def _chunked_loss(hidden, weight, labels, kwargs):
 
 
 class _ProbeConfig:
-    """The probe's config: what it is given, else 0.5, so a config-driven extra in the head shows."""
+    """The probe's config: what it is given, else 0.5, so a config-driven extra in the head shows.
+
+    A vision-language model's text settings are its ``text_config`` (or ``get_text_config()``),
+    another such config; the vision feature switches that transformers validates are given
+    their defaults, as they select nothing in the head.
+    """
 
     def __init__(self, **known):
         self.__dict__.update(known)
@@ -143,6 +167,22 @@ class _ProbeConfig:
         if name.startswith("__"):
             raise AttributeError(name)
         return 0.5
+
+    def get_text_config(self, *args, **kwargs):
+        return self.text_config
+
+
+class _ProbeOutput(dict):
+    """The base model's output: hidden states first; any other field (a VLM's rope deltas,
+    image outputs) reads None, as a text-only batch leaves them."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self.get(name)
+
+    def __getitem__(self, key):
+        return self["last_hidden_state"] if key == 0 else super().__getitem__(key)
 
 
 class _ProbeBase(torch.nn.Module):
@@ -153,9 +193,7 @@ class _ProbeBase(torch.nn.Module):
         self.hidden, self.router_logits = hidden, router_logits
 
     def forward(self, *args, **kwargs):
-        from transformers.modeling_outputs import MoeModelOutputWithPast
-
-        return MoeModelOutputWithPast(last_hidden_state=self.hidden, router_logits=self.router_logits)
+        return _ProbeOutput(last_hidden_state=self.hidden, router_logits=self.router_logits)
 
 
 def _owner(stock):
@@ -184,13 +222,22 @@ def _probe(stock, candidate):
         model = owner.__new__(owner)
         torch.nn.Module.__init__(model)
         attributes = {
-            "config": _ProbeConfig(vocab_size=vocab, return_dict=True, use_return_dict=True),
+            "config": _ProbeConfig(
+                vocab_size=vocab,
+                return_dict=True,
+                use_return_dict=True,
+                text_config=_ProbeConfig(
+                    vocab_size=vocab, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.37
+                ),
+                vision_feature_select_strategy="default",
+                vision_feature_layer=-1,
+            ),
             "model": _ProbeBase(hidden, router_logits),
             "lm_head": head,
             "vocab_size": vocab,
             "num_experts": 4,
             "num_experts_per_tok": 2,
-            "router_aux_loss_coef": 0.37,
+            "router_aux_loss_coef": 0.37,  # as its text config's: a real model copies it from there
             "loss_type": "ForCausalLM",
         }
         for name, value in attributes.items():
@@ -213,7 +260,8 @@ def _probe(stock, candidate):
             return "the forward did not take the chunked loss on the probe's call"
         return reason
 
-    return first_disagreement(compare({}), compare({"num_items_in_batch": torch.tensor(7)}))
+    # 7 labels count: a divisor other than 7 shows a forward that drops num_items_in_batch.
+    return first_disagreement(compare({}), compare({"num_items_in_batch": torch.tensor(5)}))
 
 
 LOSS = Kernel("loss", (), (Variant("chunked", _build, _probe),))

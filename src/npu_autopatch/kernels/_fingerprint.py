@@ -48,6 +48,7 @@ _SOURCES = (
     "rope.py",
     "moe.py",
     "attention.py",
+    "loss.py",
     "linear_attention.py",
     "gated_delta_scan.py",
 )

@@ -159,12 +159,16 @@ def _conclude(model, module, config, plan):
     if stock:
         listed = ", ".join(f"{where} ({reason.code.value})" for where, reason in stock.items())
         _log.warning(
-            f"{model.model_type}: partial: applied {', '.join(rec.kernels)} to {len(rec.targets)} targets; "
+            f"{model.model_type}: partial: applied {', '.join(rec.kernels)} to {_count(rec.targets)}; "
             f"left stock: {listed}: {stock_text}"
         )
     else:
-        _log.info(f"{model.model_type}: applied {', '.join(rec.kernels)} to {len(rec.targets)} targets")
+        _log.info(f"{model.model_type}: applied {', '.join(rec.kernels)} to {_count(rec.targets)}")
     return rec
+
+
+def _count(targets):
+    return f"{len(targets)} target{'' if len(targets) == 1 else 's'}"
 
 
 def _applied_record(model, stock):

@@ -10,12 +10,11 @@ FSDP2 sharding the head by itself puts hooks on it: that call takes the stock fo
 """
 
 import json
-import sys
 
 import pytest
 
-from .conftest import ROOT, child_env
-from .test_torchrun import free_port
+from .conftest import child_env
+from .test_torchrun import two_ranks
 
 # Child interpreters and process groups: CI's full matrix (`pytest -m ""`), not the quick default.
 pytestmark = pytest.mark.full
@@ -99,22 +98,8 @@ os._exit(0)
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both ranks' results: {wrapper: loss stock/patched, whether chunked, gradient error, report}."""
-    import subprocess
-
-    script = tmp_path_factory.mktemp("loss_parallel") / "worker.py"
-    script.write_text(WORKER)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(script),
-    ]
     env = child_env(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    run = two_ranks(WORKER, tmp_path_factory.mktemp("loss_parallel"), env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
 

@@ -37,9 +37,10 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def test_two_ranks_are_patched_and_only_rank_zero_logs(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+def two_ranks(worker, directory, env, timeout):
+    """``worker`` (a script's text) run by torchrun as 2 local ranks on a free port, from ROOT."""
+    script = directory / "worker.py"
+    script.write_text(worker)
     command = [
         sys.executable,
         "-m",
@@ -50,10 +51,14 @@ def test_two_ranks_are_patched_and_only_rank_zero_logs(tmp_path):
         f"--master_port={free_port()}",
         str(script),
     ]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_two_ranks_are_patched_and_only_rank_zero_logs(tmp_path):
     env = child_env(
         NPU_AUTOPATCH="1", PYTHONPATH=str(STAND_IN_SITE), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"
     )
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    run = two_ranks(WORKER, tmp_path, env, timeout=180)
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["world"] == 2

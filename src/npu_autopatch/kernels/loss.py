@@ -89,6 +89,7 @@ def _build(stock, npu, on_error):
             or not self.training
             or not torch.is_grad_enabled()
             or _head_differs(head) is not None
+            or torch.is_autocast_enabled(head.weight.device.type)
             or self.loss_function is not causal_lm_loss
         ):
             return stock(self, *args, **kwargs)
@@ -109,7 +110,7 @@ def _build(stock, npu, on_error):
         hidden = captured[0] if len(captured) == 1 else None
         loss = None
         usable = hidden is not None and hidden.dtype == head.weight.dtype
-        if usable and not torch.is_autocast_enabled(hidden.device.type):
+        if usable:
             try:
                 loss = _chunked_loss(hidden, head.weight, labels, kwargs)
             except Exception as exc:
@@ -118,7 +119,7 @@ def _build(stock, npu, on_error):
             if hidden is None:  # the head ran other than once: the stock forward, all of it
                 return stock(self, *args, **kwargs)
             logits = head(hidden)
-            loss = causal_lm_loss(logits, labels, head.out_features, **kwargs)
+            loss = causal_lm_loss(logits, labels, head.out_features, **_loss_keywords(kwargs))
         else:
             logits = None
         aux_loss = getattr(out, "aux_loss", None)
@@ -127,6 +128,12 @@ def _build(stock, npu, on_error):
         return type(out)(**{**out, "loss": loss, "logits": logits})
 
     return forward
+
+
+def _loss_keywords(kwargs):
+    """The forward's keywords as the stock forward hands them to its loss function: everything but
+    the labels, which go positionally (passing them twice raised TypeError on every stock-head call)."""
+    return {name: value for name, value in kwargs.items() if name != "labels"}
 
 
 def _aux_loss_coefficient(model):

@@ -55,7 +55,11 @@ _INTEGRATION = "transformers.integrations.npu_flash_attention"
 
 class _PerTensor:
     """``compute(tensor)`` once per tensor: keyed by identity and version (a dead or modified tensor is
-    computed again), the last few kept (a forward has one or two)."""
+    computed again), the last few kept (a forward has one or two).
+
+    An inference tensor (made under ``torch.inference_mode()``) has no version counter, so a change in
+    place could not be seen: it is computed every time, as stock does (one host copy per layer).
+    """
 
     def __init__(self, compute, size: int = 8) -> None:
         self._compute = compute
@@ -64,6 +68,8 @@ class _PerTensor:
         self._lock = threading.Lock()  # threads (e.g. pipeline stages) share it
 
     def __call__(self, tensor: torch.Tensor):
+        if tensor.is_inference():
+            return self._compute(tensor)
         key = id(tensor)
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:

@@ -28,6 +28,7 @@ import sys
 from collections import Counter
 
 from .. import _control, _device
+from .._records import PatchError
 from .._table import columns
 from ..models import INTEGRATIONS, MODELS
 
@@ -434,6 +435,20 @@ def main(args) -> int:
         with provider as npu:
             report = run(models, dtypes, args.device, npu, simulated=bool(args.simulate))
     finally:  # after the stand-in is gone: the selection is the user's, on their torch_npu
-        _control.restore(selection)
+        _restore(selection)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["passed"] else 1
+
+
+def _restore(selection) -> None:
+    """Put the user's selection back; under strict mode its failure here is a note, not the result.
+
+    A strict selection re-applied on a node that cannot patch (no torch_npu, with ``--simulate``)
+    raises PatchError. That is what the user's own imports would raise, not what verify measured:
+    the report it computed is still printed (and ``--json`` stays parseable), the error goes to
+    stderr. Strict's errors are for the import that triggered a patch or for enable().
+    """
+    try:
+        _control.restore(selection)
+    except PatchError as exc:
+        print(f"note: your strict selection, put back after verify, raised: {exc}", file=sys.stderr)

@@ -112,7 +112,7 @@ COMMANDS = {
     "status": ("status", "--json"),
     "check": ("check", "--simulate", "--json"),
     "report": ("report", "--model-type", "qwen3", "--json"),
-    "verify": ("verify", "--device", "cpu", "--simulate", "--models", "qwen3", "--dtype", "float32", "--json"),
+    "verify": ("verify", "--device", "cpu", "--simulate", "--models", "qwen3", "--json"),
     "scan": ("scan", "--dirs", "qwen3", "--no-parity", "--json"),
     "models": ("models",),
 }

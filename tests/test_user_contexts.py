@@ -19,7 +19,12 @@ import textwrap
 import pytest
 import torch
 
+import npu_autopatch
+from npu_autopatch.testing import stand_in
+from npu_autopatch.testing.parity import tiny_model
+
 from .conftest import child_env
+from .test_trainers import trainer_losses
 
 CHILD = textwrap.dedent(
     """
@@ -181,11 +186,6 @@ def test_flash_attention_on_the_npu_matches_eager_for_padded_and_packed_batches(
 
 def test_the_loss_kernel_under_autocast_takes_the_stock_forward_and_loss():
     """In-process, the exact case of the report: a bf16 autocast training step with the loss switch on."""
-    from npu_autopatch.testing import stand_in
-    from npu_autopatch.testing.parity import tiny_model
-
-    import npu_autopatch
-
     model = tiny_model("qwen3")
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -200,13 +200,10 @@ def test_the_loss_kernel_under_autocast_takes_the_stock_forward_and_loss():
             npu_autopatch.disable()
     assert out.logits is not None  # the stock head ran: autocast is one of the loss kernel's stock rules
     torch.testing.assert_close(out.loss, stock.loss)
-    with pytest.raises(ValueError):  # labels that do not fit the logits: stock's own error, not ours
-        with stand_in():
-            npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
-            try:
-                model(input_ids=ids, labels=ids[:, :5])
-            finally:
-                npu_autopatch.disable()
+    # labels that do not fit the logits: stock's own error, not ours
+    with pytest.raises(ValueError), stand_in():
+        npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
+        model(input_ids=ids, labels=ids[:, :5])
 
 
 @pytest.mark.parametrize("loss", [False, True], ids=["loss-off", "loss-on"])
@@ -214,12 +211,6 @@ def test_the_loss_kernel_under_autocast_takes_the_stock_forward_and_loss():
 def test_hf_trainer_gives_stock_losses_in_fp32_and_bf16(bf16, loss, tmp_path, npu_stand_in):
     """``Trainer(bf16=True)`` wraps the forward in autocast (accelerate): the first step used to raise
     with the loss switch on. Every kernel on; the same losses as stock, step by step."""
-    from npu_autopatch.testing.parity import tiny_model
-
-    from .test_trainers import trainer_losses
-
-    import npu_autopatch
-
     stock = trainer_losses(tiny_model("qwen3"), tmp_path / "stock", prompts=True, bf16=bf16)
     npu_autopatch.enable(models=["qwen3"], loss=loss)
     patched = trainer_losses(tiny_model("qwen3"), tmp_path / "patched", prompts=True, bf16=bf16)

@@ -366,8 +366,8 @@ def _fa_forward(
     A fully masked row gives out 0 (flash-attn semantics; the device's result there is UNKNOWN without
     inner_precise=2), max -inf and sum 0. With ``sink`` each row has one more, unscaled logit whose column is
     dropped (the op doc's reference: ``softmax(cat([scale*QK^T, sink]))[..., :-1] @ V``); the statistics then
-    take it in (max over the scores and the sink, its exp in the sum): what the device stores there is
-    UNKNOWN, this is what keeps the stand-in's backward consistent with its forward.
+    take it in, as CANN's aclnnFlashAttentionScoreV3/V4 docs define them (hicann/ops-transformer,
+    attention/flash_attention_score/docs): max = max(sink, max(S)), sum = sum(exp(S - max)) + exp(sink - max).
     """
     s = _fa_scores(_fa_heads(q, geo, geo.heads), _fa_kv(k, geo), pse, scale, keep)
     row_max = s.amax(-1) if sink is None else torch.maximum(s.amax(-1), _fa_sink(sink))

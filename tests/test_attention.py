@@ -610,9 +610,21 @@ def test_the_host_copy_is_made_again_for_a_modified_or_new_tensor():
     assert ends(cu) == (3, 5)
     cu[2] = 6  # in place: its version moves on
     assert ends(cu) == (3, 6)
-    assert ends(torch.tensor([0, 2, 4], dtype=torch.int32)) == (2, 4)
-    assert ends(torch.tensor([0, 1], dtype=torch.int32)) == (1,)
+    # Kept alive: a freed tensor's id may be reused by the next one, which would replace its entry.
+    new, other = torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    assert ends(new) == (2, 4)
+    assert ends(other) == (1,)
     assert len(ends._entries) == 2
+
+
+def test_an_inference_tensor_is_copied_every_time_it_has_no_version_to_tell_a_change():
+    ends = attention_kernel._PerTensor(attention_kernel.HOST_ENDS._compute)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+        assert ends(cu) == (3, 5)
+        cu[2] = 6  # allowed on an inference tensor, and invisible without a version counter
+        assert ends(cu) == (3, 6)
+    assert ends._entries == {}
 
 
 GENERATE = r"""

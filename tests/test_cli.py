@@ -132,3 +132,31 @@ def test_every_command_prints_its_report_with_patching_on(command, strict):
         assert printed["passed"] is True
         if strict == "1":  # the selection put back raised on this node (no torch_npu): said, not fatal
             assert "strict" in run.stderr and "torch_npu" in run.stderr
+
+
+def test_a_command_that_needs_torch_says_so_in_one_line_where_it_is_missing():
+    """The base interpreter of this venv has neither torch nor transformers (a fresh login node)."""
+    import os
+
+    base = os.path.join(sys.base_prefix, "bin", "python3")
+    probe = subprocess.run([base, "-c", "import torch"], capture_output=True, env=child_env())
+    if probe.returncode == 0:
+        pytest.skip("the base interpreter has torch: no interpreter without it here")
+    for command in (("check", "--simulate"), ("report", "--model-type", "qwen3"), ("scan", "--json")):
+        run = subprocess.run(
+            [base, "-m", "npu_autopatch", *command],
+            env=child_env(PYTHONPATH=str(ROOT / "src")),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 2, run.stderr
+        assert "Traceback" not in run.stderr and "needs torch and transformers installed" in run.stderr
+    status = subprocess.run(
+        [base, "-m", "npu_autopatch", "status"],
+        env=child_env(PYTHONPATH=str(ROOT / "src")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert status.returncode == 0 and "patching_enabled: False" in status.stdout, status.stderr

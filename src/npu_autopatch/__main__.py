@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import platform
 import sys
@@ -166,6 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     report_cmd.add_argument("--json", action="store_true", help="machine-readable output")
     report_cmd.add_argument("--markdown", action="store_true", help="markdown tables")
     argv = sys.argv[1:] if argv is None else argv
+    missing = _missing_packages(argv)
+    if missing:
+        print(
+            f"python -m npu_autopatch {argv[0]} needs {' and '.join(missing)} installed "
+            "(npu-autopatch itself depends on wrapt only): install the torch and transformers your jobs use",
+            file=sys.stderr,
+        )
+        return 2
     if argv[:1] == ["scan"]:  # its own parser and options
         from .tools import scan
 
@@ -202,6 +211,19 @@ def main(argv: list[str] | None = None) -> int:
         env = environment()
     _print(env, report, args.json)
     return 1 if any(r.state == State.FAILED for r in report.values()) else 0
+
+
+def _missing_packages(argv: list[str]) -> list[str]:
+    """torch and transformers, where the command builds or scans models and they are not installed.
+
+    ``status``, ``models`` and ``check`` on a node report what is there without them; the commands
+    that run the stand-in or the installed transformers' code would end in a traceback instead of
+    this one line.
+    """
+    simulated = "--simulate" in argv or any(arg.startswith("--simulate=") for arg in argv)
+    if not (argv[:1] in (["scan"], ["report"]) or simulated):
+        return []
+    return [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
 
 
 def _report_command(args) -> int:

@@ -73,9 +73,11 @@ def probe(stock, candidate):
 
 
 def _ours(table):
-    """The model types of ``table`` that npu-autopatch patches in this process (see the module docstring)."""
+    """(the model types of ``table`` npu-autopatch patches in this process, those absent from this
+    transformers): see the module docstring. verl's patch tries the absent ones as without us."""
     records = sys.modules["npu_autopatch"].status()
-    return [name for name in table if name in records and records[name].state in OURS]
+    states = {name: str(records[name].state) for name in table if name in records}
+    return [n for n in table if states.get(n) in OURS], {n for n in table if states.get(n) == "absent"}
 
 
 def _with_table(stock, table):
@@ -88,7 +90,8 @@ def _with_table(stock, table):
 
 
 def _announce(stock, ours, kept):
-    """One rank-0 INFO line per distinct outcome (verl calls apply_npu_patches once per engine)."""
+    """One rank-0 INFO line per distinct outcome (verl calls apply_npu_patches once per engine);
+    ``kept``: the model types verl's patch still patches (those this transformers has)."""
     key = (tuple(ours), tuple(kept))
     if key in _told:
         return
@@ -113,11 +116,11 @@ def build(stock, npu, on_error):
     def apply_npu_patches(*args, **kwargs):
         try:
             table = stock.__globals__[TABLE]
-            ours = _ours(table)
+            ours, absent = _ours(table)
             kept = [name for name in table if name not in ours]
             run = _with_table(stock, {name: table[name] for name in kept}) if ours else stock
             if ours:
-                _announce(stock, ours, kept)
+                _announce(stock, ours, [name for name in kept if name not in absent])
         except Exception as exc:
             on_error(exc)
             return stock(*args, **kwargs)

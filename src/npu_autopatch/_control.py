@@ -80,9 +80,8 @@ def enable(
     ``discover=True`` also patches the modeling modules no registered model covers, from the
     candidates the kernels' probes accept (see _discover). ``loss=True`` adds the chunked loss
     kernel (kernels/loss.py): opt-in, since a forward training with labels then returns
-    ``logits=None``. ``step_aside=False`` lets another library's own NPU patch (verl's
-    ``apply_npu_patches``) run as without us; by default it steps aside for the models we patch
-    (integrations/verl.py). Arguments override
+    ``logits=None``. ``step_aside=False`` lets another library's own NPU patch (see
+    integrations/) run as without us; by default it steps aside for the models we patch. Arguments override
     NPU_AUTOPATCH_MODELS / _EXCLUDE / _KERNELS / _STRICT / _DISCOVER / _LOSS / _STEP_ASIDE. Calling it
     again with the same selection does nothing; with another selection, the models patched
     so far are reverted and the new selection is applied. Imports none of torch,

@@ -194,6 +194,9 @@ def _live(model, roots):
             )
         elif unwanted is not None:
             state, (code, reason) = State.SKIPPED, unwanted
+        elif model.family and not _installed(model.module.split(".", 1)[0]):
+            library = model.module.split(".", 1)[0]
+            state, code, reason = State.ABSENT, "module-absent", f"{library} is not installed"
         elif _absent(model, roots):
             state, code, reason = (
                 State.ABSENT,
@@ -290,6 +293,15 @@ def _transformers_roots():
 
     spec = importlib.machinery.PathFinder.find_spec("transformers")
     return list(spec.submodule_search_locations or ()) if spec is not None else []
+
+
+def _installed(package):
+    """Whether a top-level package is imported or importable (found on sys.path, not imported)."""
+    if sys.modules.get(package) is not None:
+        return True
+    import importlib.machinery
+
+    return importlib.machinery.PathFinder.find_spec(package) is not None
 
 
 def _absent(model, roots):

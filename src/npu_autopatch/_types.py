@@ -18,7 +18,7 @@ KERNEL_NAMES = (
 # Kernels that change what a forward returns (the loss kernel's ``logits=None``): never on by
 # default nor through ``kernels=``; each has its own switch (enable(loss=True), NPU_AUTOPATCH_LOSS).
 OPT_IN_KERNELS = ("loss",)
-# Kernels that make another library's own NPU patch step aside for ours (integrations/verl.py): on by
+# Kernels that make another library's own NPU patch step aside for ours (integrations/): on by
 # default, outside ``kernels=``, with one switch of their own (enable(step_aside=False),
 # NPU_AUTOPATCH_STEP_ASIDE=0). An entry whose targets all take one is selected by that switch alone.
 STEP_ASIDE_KERNELS = ("step_aside",)

@@ -146,7 +146,9 @@ def _imported(models):
     """
     names = {m.module for m in models if not is_remote(m) and not m.family}
     patterns = [m for m in models if is_remote(m) or m.family]
-    for name in [n for n in list(sys.modules) if any(m.matches(n) for m in patterns)] if patterns else ():
+    heads = tuple(m.module.split("*", 1)[0] for m in patterns)  # a prefix test before fnmatch
+    matching = [n for n in list(sys.modules) if n.startswith(heads) and any(m.matches(n) for m in patterns)]
+    for name in matching:
         module = sys.modules.get(name)
         if module is None:
             continue

@@ -61,6 +61,8 @@ def _import_all() -> dict[str, PatchRecord]:
     absent = {}
     _control.discover_plugins()  # installed plugins are checked too
     for model_type, model in list(STATE.models.items()):
+        if model.family:
+            continue  # another library's module, found by what it defines: never imported by us
         try:
             importlib.import_module(model.module)
         except ModuleNotFoundError as exc:
@@ -110,7 +112,7 @@ def models_markdown() -> str:
     ]
     for model in (MODELS[name] for name in BUILTIN):
         targets = "<br>".join(
-            f"{t.kernel}: {' / '.join(f'`{path}`' for path in t.paths)}"
+            f"{t.kernel_name}: {' / '.join(f'`{path}`' for path in t.paths)}"
             + (f" (from {t.since})" if t.since and _release(t.since) > _release(model.since) else "")
             for t in model.targets
         )

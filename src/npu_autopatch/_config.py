@@ -8,7 +8,7 @@ Bad values passed to enable() raise ValueError, because that is a bug in the cal
 import os
 
 from ._state import STATE
-from ._types import KERNEL_NAMES, OPT_IN_KERNELS
+from ._types import KERNEL_NAMES, OPT_IN_KERNELS, STEP_ASIDE_KERNELS
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -21,6 +21,7 @@ ENV_STRICT = "NPU_AUTOPATCH_STRICT"
 ENV_LOG_ALL_RANKS = "NPU_AUTOPATCH_LOG_ALL_RANKS"
 ENV_DISCOVER = "NPU_AUTOPATCH_DISCOVER"
 ENV_LOSS = "NPU_AUTOPATCH_LOSS"
+ENV_STEP_ASIDE = "NPU_AUTOPATCH_STEP_ASIDE"
 
 # The kernels ``kernels=`` / NPU_AUTOPATCH_KERNELS select among; the opt-in ones have their own switch.
 SELECTABLE_KERNELS = tuple(k for k in KERNEL_NAMES if k not in OPT_IN_KERNELS)
@@ -51,10 +52,11 @@ def parse_bool(name, raw, warn):
     return None
 
 
-def env_flag(name, warn, environ=None):
-    """An on/off environment variable; unset or unrecognised means off."""
+def env_flag(name, warn, environ=None, default=False):
+    """An on/off environment variable; unset or unrecognised means ``default`` (off unless said)."""
     raw = (os.environ if environ is None else environ).get(name)
-    return False if raw is None else parse_bool(name, raw, warn) is True
+    parsed = None if raw is None else parse_bool(name, raw, warn)
+    return default if parsed is None else parsed
 
 
 def _split_names(raw):
@@ -94,11 +96,12 @@ def _arg_names(value, valid, what, argname):
 
 class Config:
     """The resolved selection: which models and kernels, strict or not, forced or not, whether
-    modeling modules outside the registry are discovered, and whether the loss kernel is on."""
+    modeling modules outside the registry are discovered, whether the loss kernel is on, and
+    whether other libraries' NPU patches step aside for ours (``step_aside``, on by default)."""
 
-    __slots__ = ("discover", "exclude", "force", "kernels", "loss", "models", "strict")
+    __slots__ = ("discover", "exclude", "force", "kernels", "loss", "models", "step_aside", "strict")
 
-    def __init__(self, models, exclude, kernels, strict, force, discover=False, loss=False):
+    def __init__(self, models, exclude, kernels, strict, force, discover=False, loss=False, step_aside=True):
         self.models = models  # frozenset, or None for every supported model
         self.exclude = exclude  # frozenset
         self.kernels = kernels  # frozenset, or None for every kernel
@@ -106,14 +109,26 @@ class Config:
         self.force = force
         self.discover = discover
         self.loss = loss
+        self.step_aside = step_aside
 
     def _key(self):
-        return (self.models, self.exclude, self.kernels, self.strict, self.force, self.discover, self.loss)
+        return (
+            self.models,
+            self.exclude,
+            self.kernels,
+            self.strict,
+            self.force,
+            self.discover,
+            self.loss,
+            self.step_aside,
+        )
 
     def selects(self, kernel_name):
-        """Whether targets of this kernel are patched: an opt-in kernel only with its switch on."""
+        """Whether targets of this kernel are patched: a kernel with a switch of its own only with it on."""
         if kernel_name in OPT_IN_KERNELS:
             return self.loss
+        if kernel_name in STEP_ASIDE_KERNELS:
+            return self.step_aside
         return self.kernels is None or kernel_name in self.kernels
 
     def __eq__(self, other):
@@ -132,6 +147,10 @@ class Config:
             return "not-selected", "discovery is off"
         if model_type in self.exclude:
             return "excluded", "excluded by configuration"
+        if _steps_aside(model_type):  # another library's patch giving way to ours: its own switch
+            if not self.step_aside:
+                return "not-selected", f"step-aside is off ({ENV_STEP_ASIDE}=0 or enable(step_aside=False))"
+            return None
         if self.models is not None and model_type not in self.models:
             return "not-selected", "not in the selected models"
         return None
@@ -143,10 +162,22 @@ class Config:
         # Off: the repr users already know.
         discover = ", discover=True" if self.discover else ""
         loss = ", loss=True" if self.loss else ""
+        switches = discover + loss + ("" if self.step_aside else ", step_aside=False")
         return (
             f"Config(models={show(self.models)}, exclude={show(self.exclude)}, "
-            f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force}{discover}{loss})"
+            f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force}{switches})"
         )
+
+
+def _steps_aside(model_type):
+    """Whether the entry only makes another library's patch step aside: selected by its own switch,
+    whatever ``models=`` lists (that library's patch then gives way for exactly the models we patch)."""
+    model = STATE.models.get(model_type)
+    return (
+        model is not None
+        and bool(model.targets)
+        and all(t.kernel_name in STEP_ASIDE_KERNELS for t in model.targets)
+    )
 
 
 def requested_models(models, exclude, environ=None):
@@ -165,13 +196,24 @@ def discover_wanted(discover, warn, environ=None):
 
 
 def resolve(
-    models, exclude, kernels, strict, force, warn, valid_models, environ=None, discover=False, loss=None
+    models,
+    exclude,
+    kernels,
+    strict,
+    force,
+    warn,
+    valid_models,
+    environ=None,
+    discover=False,
+    loss=None,
+    step_aside=None,
 ):
     """Arguments override the environment; the environment overrides the defaults.
 
     ``discover``: the already resolved discover_wanted(); ``valid_models`` then includes the
     installed modeling modules' names that the caller found (see _discover.installed).
     ``loss``: enable(loss=...), else NPU_AUTOPATCH_LOSS (off when unset).
+    ``step_aside``: enable(step_aside=...), else NPU_AUTOPATCH_STEP_ASIDE (on when unset or unrecognised).
     """
     environ = os.environ if environ is None else environ
     valid_models = tuple(valid_models)
@@ -188,4 +230,8 @@ def resolve(
         strict = env_flag(ENV_STRICT, warn, environ)
     if loss is None:
         loss = env_flag(ENV_LOSS, warn, environ)
-    return Config(model_set, exclude_set, kernel_set, bool(strict), bool(force), discover, bool(loss))
+    if step_aside is None:
+        step_aside = env_flag(ENV_STEP_ASIDE, warn, environ, default=True)
+    return Config(
+        model_set, exclude_set, kernel_set, bool(strict), bool(force), discover, bool(loss), bool(step_aside)
+    )

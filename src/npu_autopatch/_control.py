@@ -73,14 +73,16 @@ def enable(
     force: bool = False,
     discover: bool | None = None,
     loss: bool | None = None,
+    step_aside: bool | None = None,
 ) -> None:
     """Patch every selected model as soon as (or if already) its modeling module is imported.
 
     ``discover=True`` also patches the modeling modules no registered model covers, from the
     candidates the kernels' probes accept (see _discover). ``loss=True`` adds the chunked loss
     kernel (kernels/loss.py): opt-in, since a forward training with labels then returns
-    ``logits=None``. Arguments override
-    NPU_AUTOPATCH_MODELS / _EXCLUDE / _KERNELS / _STRICT / _DISCOVER / _LOSS. Calling it
+    ``logits=None``. ``step_aside=False`` lets another library's own NPU patch (see
+    integrations/) run as without us; by default it steps aside for the models we patch. Arguments override
+    NPU_AUTOPATCH_MODELS / _EXCLUDE / _KERNELS / _STRICT / _DISCOVER / _LOSS / _STEP_ASIDE. Calling it
     again with the same selection does nothing; with another selection, the models patched
     so far are reverted and the new selection is applied. Imports none of torch,
     transformers or torch_npu unless a modeling module is already imported. In strict mode
@@ -100,7 +102,16 @@ def enable(
 
             valid += sorted(_discover.installed(unknown))
         config = _config.resolve(
-            models, exclude, kernels, strict, force, _log.warning, valid, discover=discover, loss=loss
+            models,
+            exclude,
+            kernels,
+            strict,
+            force,
+            _log.warning,
+            valid,
+            discover=discover,
+            loss=loss,
+            step_aside=step_aside,
         )
     _apply(config)
 
@@ -167,6 +178,7 @@ def _revert_all(why):
     """Release every slot; a patched model's record says ``reverted``, the others are forgotten."""
     for model_type in list(STATE.held):
         _ledger().release_all(model_type)
+    STATE.overrides_told.clear()  # a later patch that is overridden again is told again
     if not STATE.records:
         return  # at interpreter start: no need for the records' module (dataclasses, enum)
     from dataclasses import replace

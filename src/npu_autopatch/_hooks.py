@@ -26,6 +26,15 @@
    which import hooks never see: while a remote-code model is registered (and only then),
    ``transformers.dynamic_module_utils.get_class_in_module`` is wrapped to patch the module
    it returns (again when transformers re-executes it); disable() puts it back.
+6. A family of modules (``Model.family``: ``module="verl.*"``, another library whose module we
+   know by what it defines, not by its name): a second stdlib finder, in front of wrapt's,
+   puts our hook on each module of the family as its import begins (one prefix test per
+   other import); the hook patches the one that defines the model's targets
+   (``_resolve.claims``) and passes over the others without importing anything.
+
+After every hook (and at arming) a target we patched that another library replaced since
+is logged once, as a WARNING (``_records.tell_overrides``): an override is said when first
+seen, not only when status() is asked.
 
 Limits: wrapt calls a module's hooks in order and stops at the first that raises, failing
 the import; ours runs first, so another library's raising hook fails an import we patched
@@ -37,7 +46,7 @@ deadlock, is in _patcher.
 
 import sys
 
-from . import _log
+from . import _log, _resolve
 from ._state import STATE, locked
 
 REMOTE_PREFIX = "transformers_modules."
@@ -85,10 +94,11 @@ def arm(models=None):
             models = list(STATE.models.values())
         remote = [m for m in STATE.models.values() if is_remote(m)]
         for model in models:
-            if not is_remote(model):
+            if not is_remote(model) and not model.family:
                 _hook(model.module)
         if remote:
             _hook(DYNAMIC)
+        _watch_families()
         discovering = _discover().uncovered(listed) if listed and _discovering() else []
         _hook_all(discovering)
         STATE.discovery_hooked.update(discovering)
@@ -105,6 +115,7 @@ def arm(models=None):
             _call_hooks_when_done(module)  # another thread is running its body right now
             continue
         errors += _patch(module)
+    tell_overrides()
     return errors
 
 
@@ -128,12 +139,72 @@ def _listing():
 
 
 def _imported(models):
-    """The modules of ``models`` already in sys.modules (patterns matched against every name)."""
-    names = {m.module for m in models if not is_remote(m)}
-    patterns = [m for m in models if is_remote(m)]
-    if patterns:
-        names.update(n for n in list(sys.modules) if any(m.matches(n) for m in patterns))
+    """The modules of ``models`` already in sys.modules (patterns matched against every name).
+
+    A family's module whose body is still running gets our hook (it cannot say yet what it
+    defines); a finished one is listed only if it defines the model's targets.
+    """
+    names = {m.module for m in models if not is_remote(m) and not m.family}
+    patterns = [m for m in models if is_remote(m) or m.family]
+    heads = tuple(m.module.split("*", 1)[0] for m in patterns)  # a prefix test before fnmatch
+    matching = [n for n in list(sys.modules) if n.startswith(heads) and any(m.matches(n) for m in patterns)]
+    for name in matching:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        family = [m for m in patterns if m.family and m.matches(name)]
+        if family and getattr(getattr(module, "__spec__", None), "_initializing", False):
+            _hook(name)
+        elif family and not any(_resolve.claims(m, module) for m in family):
+            continue
+        names.add(name)
     return [sys.modules[n] for n in sorted(names) if sys.modules.get(n) is not None]
+
+
+class FamilyWatcher:
+    """Hooks each module of a family (``Model.family``) as its import begins: wrapt's finder, behind
+    this one, then runs our hook after its body. One prefix test per import of any other module."""
+
+    def __init__(self):
+        self.prefixes = ()  # what every family's pattern starts with ("verl.")
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith(self.prefixes) or not STATE.enabled or fullname in STATE.hooked:
+            return None
+        if any(m.family and m.matches(fullname) for m in list(STATE.models.values())):
+            with locked:
+                _hook(fullname)
+        return None
+
+
+def _watch_families():
+    """Put the family watcher before wrapt's finder, with the registry's prefixes (caller holds the lock)."""
+    heads = {m.module.split("*", 1)[0] for m in STATE.models.values() if m.family}
+    prefixes = tuple(sorted(head for head in heads if head))
+    watcher = STATE.family_watcher
+    if watcher is None:
+        if not prefixes or _table() is None:
+            return
+        watcher = STATE.family_watcher = FamilyWatcher()
+    watcher.prefixes = prefixes
+    importer = sys.modules["wrapt.importer"]
+    if not importer._post_import_hooks_init:  # what register_post_import_hook does first
+        importer._post_import_hooks_init = True
+        sys.meta_path.insert(0, importer.ImportHookFinder())
+    if watcher not in sys.meta_path:
+        sys.meta_path.insert(0, watcher)
+
+
+def tell_overrides():
+    """Log, once each, the targets another library replaced after we patched them (never raises)."""
+    if not STATE.placed:
+        return  # nothing patched: nothing to override (and no need for the records' module)
+    try:
+        from . import _records
+
+        _records.tell_overrides()
+    except Exception as exc:  # a hook must not fail the import that ran it
+        _log.warning(f"could not check for overridden targets: {exc!r}")
 
 
 def _patch(module):
@@ -148,7 +219,8 @@ def _patch(module):
 
 def _patch_module(module):
     """Patch the registered models of ``module``, or discover it; raises only strict mode's PatchError."""
-    _patcher().patch_imported(module)
+    if any(_resolve.claims(m, module) for m in list(STATE.models.values())):
+        _patcher().patch_imported(module)
     if module.__name__ in STATE.discovery_hooked:
         _discover().patch(module)
 
@@ -224,7 +296,10 @@ def _on_import(module):
     if name == DYNAMIC:
         wrap_remote(module)
     elif STATE.enabled:
-        _patch_module(module)  # raises only strict mode's PatchError
+        try:
+            _patch_module(module)  # raises only strict mode's PatchError
+        finally:
+            tell_overrides()
 
 
 def _call_hooks_when_done(module):

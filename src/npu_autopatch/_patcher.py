@@ -59,7 +59,7 @@ def patch_imported(module):
     """
     name = getattr(module, "__name__", None)
     errors = []
-    for model in [m for m in list(STATE.models.values()) if m.matches(name)]:
+    for model in [m for m in list(STATE.models.values()) if _resolve.claims(m, module)]:
         try:
             apply(model, module)
         except PatchError as exc:

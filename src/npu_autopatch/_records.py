@@ -12,9 +12,9 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 
-from . import _ledger, _resolve
+from . import _ledger, _log, _resolve
 from ._experts import explicit_note
-from ._state import STATE
+from ._state import STATE, locked
 
 
 class State(str, enum.Enum):
@@ -194,6 +194,9 @@ def _live(model, roots):
             )
         elif unwanted is not None:
             state, (code, reason) = State.SKIPPED, unwanted
+        elif model.family and not _installed(model.module.split(".", 1)[0]):
+            library = model.module.split(".", 1)[0]
+            state, code, reason = State.ABSENT, "module-absent", f"{library} is not installed"
         elif _absent(model, roots):
             state, code, reason = (
                 State.ABSENT,
@@ -201,14 +204,15 @@ def _live(model, roots):
                 f"{model.module} is not in the installed transformers",
             )
         else:
-            state, code, reason = (
-                State.PENDING,
-                "waiting-for-import",
-                f"waiting for the import of {model.module}",
-            )
+            awaited = f"the import of {model.module}"
+            if model.family:
+                paths = ", ".join(t.paths[0] for t in model.targets)
+                awaited = f"the import of the module of {model.module} that defines {paths}"
+            state, code, reason = (State.PENDING, "waiting-for-import", f"waiting for {awaited}")
         rec = PatchRecord(model_type, model.module, state, reason, code=ReasonCode(code))
     elif rec.state in (State.APPLIED, State.PARTIAL) and model_type in STATE.placed:
         rec = _downgraded(rec, model_type) or rec
+        _tell(rec)
         note = explicit_note(model_type)
         if note and rec.state in (State.APPLIED, State.PARTIAL):
             rec = replace(rec, notes=(*rec.notes, note))
@@ -222,6 +226,32 @@ def _live(model, roots):
                 notes = (*notes, f"still runs kernels through targets it shares with other models: {told}")
             rec = replace(rec, shared=shared, notes=notes)
     return rec
+
+
+def tell_overrides():
+    """Log every target another library replaced after we patched it, once each (see _tell)."""
+    with locked:
+        for model_type, rec in list(STATE.records.items()):
+            if rec.state in (State.APPLIED, State.PARTIAL) and model_type in STATE.placed:
+                _tell(_downgraded(rec, model_type))
+
+
+def _tell(rec):
+    """A WARNING the first time ``rec`` says another library replaced a target of ours (lock held).
+
+    ``replaced-after-us`` means that library's code runs where our kernel was, and nothing else
+    would say so unless status() or report() were asked.
+    """
+    if rec is None or rec.code is not ReasonCode.REPLACED_AFTER_US:
+        return
+    told = (rec.model, rec.cause)
+    if told in STATE.overrides_told:
+        return
+    STATE.overrides_told.add(told)
+    _log.warning(
+        f"{rec.model}: overridden (replaced-after-us): {rec.cause}; that code runs there, not our kernel "
+        "(status() and report(model) say so)"
+    )
 
 
 def _downgraded(rec, model_type):
@@ -263,6 +293,15 @@ def _transformers_roots():
 
     spec = importlib.machinery.PathFinder.find_spec("transformers")
     return list(spec.submodule_search_locations or ()) if spec is not None else []
+
+
+def _installed(package):
+    """Whether a top-level package is imported or importable (found on sys.path, not imported)."""
+    if sys.modules.get(package) is not None:
+        return True
+    import importlib.machinery
+
+    return importlib.machinery.PathFinder.find_spec(package) is not None
 
 
 def _absent(model, roots):

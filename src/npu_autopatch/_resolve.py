@@ -51,6 +51,29 @@ def resolve(module, paths):
     return None
 
 
+def claims(model, module):
+    """Whether ``module`` is ``model``'s: its name matches, and for a family of modules
+    (``Model.family``) it defines every target itself (a module of that library that does not, or
+    only imports one from the module that does, is not the model's)."""
+    if not model.matches(getattr(module, "__name__", None)):
+        return False
+    if not model.family:
+        return True
+    for target in model.targets:
+        found = resolve(module, target.paths)
+        if found is None or not _defined_in(module, found[1], found[3]):
+            return False
+    return True
+
+
+def _defined_in(module, owner, obj):
+    """Whether ``obj`` (found on ``owner``) was defined by ``module``'s own code (ours wraps its original)."""
+    if isinstance(owner, type):
+        return owner.__module__ == module.__name__
+    function = stock_function(getattr(obj, "__wrapped__", obj))
+    return function is not None and function.__globals__ is module.__dict__
+
+
 def stock_function(obj):
     """The plain function behind a target: itself, or the function a callable module wraps.
 

@@ -39,12 +39,14 @@ class _State:
         "discovery_hooked",
         "enabled",
         "explicit_experts",
+        "family_watcher",
         "generation",
         "held",
         "hooked",
         "listing",
         "lock",
         "models",
+        "overrides_told",
         "placed",
         "plugins_discovered",
         "records",
@@ -73,6 +75,7 @@ class _State:
         self.arm_error = None
         self.hooked = set()
         self.remote_wrapped = None  # (dynamic_module_utils, original) while we wrap it
+        self.family_watcher = None  # the finder that hooks the modules of a family (Model.family)
         # Discovery (_discover): the installed modeling modules (root, names), listed once; the
         # ones hooked for discovery; the Model built for each discovered module when it was
         # imported (model type -> Model, kept after disable() for status()) and the candidates
@@ -90,6 +93,7 @@ class _State:
         self.held = {}  # model type -> [ledger keys it holds]
         self.placed = {}  # model type -> (module, ((path, key), ...)) of its latest application
         self.records = {}  # model type -> PatchRecord of its latest decision
+        self.overrides_told = set()  # (model type, cause) of each replaced-after-us logged already
         self.explicit_experts = {}  # model type -> experts implementations users asked for (5.x)
         # id(config) -> config whose "grouped_mm" is transformers' default, and of the models
         # explicitly given "grouped_mm", in this process (_experts): weakly held, so that nothing

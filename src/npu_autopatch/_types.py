@@ -18,6 +18,10 @@ KERNEL_NAMES = (
 # Kernels that change what a forward returns (the loss kernel's ``logits=None``): never on by
 # default nor through ``kernels=``; each has its own switch (enable(loss=True), NPU_AUTOPATCH_LOSS).
 OPT_IN_KERNELS = ("loss",)
+# Kernels that make another library's own NPU patch step aside for ours (integrations/): on by
+# default, outside ``kernels=``, with one switch of their own (enable(step_aside=False),
+# NPU_AUTOPATCH_STEP_ASIDE=0). An entry whose targets all take one is selected by that switch alone.
+STEP_ASIDE_KERNELS = ("step_aside",)
 
 
 class Variant:
@@ -109,6 +113,10 @@ class Model:
     ``since`` is the first transformers release that has the model (documentation, and
     checked by the tests against the installed transformers). ``load``, for a plugin's
     model, returns the targets when the module is imported (see _plugins.py).
+
+    ``module`` may be a pattern: ``transformers_modules.*.modeling_x`` for trust_remote_code
+    code, or, elsewhere, a family of modules (``verl.*``) in which the model's module is the one
+    that defines its targets, found by what it defines wherever that library moves it.
     """
 
     __slots__ = ("load", "model_type", "module", "since", "targets")
@@ -124,11 +132,16 @@ class Model:
         """Whether ``module_name`` is this model's module, or matches its trust_remote_code pattern."""
         if not module_name:
             return False
-        if self.module.startswith("transformers_modules."):
+        if "*" in self.module:
             import fnmatch
 
             return fnmatch.fnmatchcase(module_name, self.module)
         return module_name == self.module
+
+    @property
+    def family(self):
+        """Whether ``module`` names a family of modules (a pattern outside trust_remote_code's)."""
+        return "*" in self.module and not self.module.startswith("transformers_modules.")
 
     @property
     def kernels(self):

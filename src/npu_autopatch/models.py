@@ -10,6 +10,7 @@ the name: the patcher probes every target against the kernel before swapping.
 """
 
 from ._types import Model, Target
+from .integrations.verl import STEP_ASIDE
 
 
 def _dense(model_type, prefix, rope=("apply_rotary_pos_emb",), since="4.57"):
@@ -302,6 +303,10 @@ MODELS = {
             Target("attention", "_get_unpad_data"),
             module="transformers.modeling_flash_attention_utils",
         ),
+        # Not a model type: verl's own NPU patch, which would replace our kernels in the nine model
+        # types it covers; it steps aside for the ones we patch (integrations/verl.py). Its module is
+        # whichever module of verl defines apply_npu_patches, wherever verl moves it.
+        Model("verl_npu_patch", Target(STEP_ASIDE, "apply_npu_patches"), module="verl.*"),
     )
 }
 
@@ -309,5 +314,5 @@ MODELS = {
 # entry-point plugins and register() add to it, through _control and _plugins only.
 BUILTIN = tuple(MODELS)
 # The entries that are no model type: a module every model calls (no tiny model, no modeling module).
-INTEGRATIONS = frozenset({"npu_flash_attention", "flash_attention_utils"})
+INTEGRATIONS = frozenset({"npu_flash_attention", "flash_attention_utils", "verl_npu_patch"})
 MODEL_TYPES = tuple(name for name in BUILTIN if name not in INTEGRATIONS)

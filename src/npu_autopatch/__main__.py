@@ -87,14 +87,24 @@ def _import_failed(model, exc) -> PatchRecord:
 
 
 def format_table(report: dict[str, PatchRecord]) -> str:
-    """One row per model, then one row per target it left stock, with that target's code and why."""
+    """One row per model, then one row per target it left stock, with that target's code and why,
+    and one per target whose replacement ran, with how its calls went."""
     rows = [("model", "state", "code", "kernels", "reason")]
     for r in report.values():
         about_model = "; ".join(part for part in (r.cause, *r.notes) if part)
         code = r.code.value if r.code else "-"
         rows.append((r.model, r.state.value, code, ",".join(r.kernels) or "-", about_model))
         rows += [("", "", reason.code.value, "", reason.text) for reason in r.stock_reasons.values()]
+        called = {where: c for where, c in r.calls.items() if c["fused"] or c["stock"]}
+        rows += [("", "", "calls", "", f"{where}: {describe_calls(c)}") for where, c in called.items()]
     return columns(rows)
+
+
+def describe_calls(calls: dict) -> str:
+    """``{"fused": 3, "stock": {"eval": 1}}`` as 'fused 3, stock 1 (eval: 1)'."""
+    stocked = sum(calls["stock"].values())
+    reasons = ", ".join(f"{reason}: {n}" for reason, n in calls["stock"].items())
+    return f"fused {calls['fused']}, stock {stocked}" + (f" ({reasons})" if reasons else "")
 
 
 def _release(text: str) -> tuple[int, ...]:

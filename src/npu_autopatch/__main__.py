@@ -23,7 +23,7 @@ import platform
 import sys
 
 from . import _control, _device
-from ._records import PatchRecord, ReasonCode, State
+from ._records import PatchRecord, ReasonCode, State, describe_calls
 from ._state import STATE
 from ._table import columns
 from .models import BUILTIN, MODELS
@@ -41,6 +41,8 @@ def environment(simulated: bool = False) -> dict:
     npu, reason = _device.probe()
     if npu is not None:
         name = npu.npu.get_device_name(0) if hasattr(npu.npu, "get_device_name") else "npu"
+        if simulated:  # the stand-in says which release and device it models
+            name = f"{name}; {npu.__doc__.rstrip('.')}"
         device = f"yes ({name})"
     else:
         device = f"no: {reason}"
@@ -100,13 +102,6 @@ def format_table(report: dict[str, PatchRecord]) -> str:
     return columns(rows)
 
 
-def describe_calls(calls: dict) -> str:
-    """``{"fused": 3, "stock": {"eval": 1}}`` as 'fused 3, stock 1 (eval: 1)'."""
-    stocked = sum(calls["stock"].values())
-    reasons = ", ".join(f"{reason}: {n}" for reason, n in calls["stock"].items())
-    return f"fused {calls['fused']}, stock {stocked}" + (f" ({reasons})" if reasons else "")
-
-
 def _release(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("."))
 
@@ -161,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         const=True,
         metavar="PROFILE",
         help="use the CPU stand-in (with --device cpu); PROFILE: the torch_npu release it models "
-        "(a2-newest, the default; a2-2.7.1; a2-2.6.0)",
+        "(a2-newest, the default; a2-2.7.1; a2-2.6.0; 950-newest)",
     )
     commands.add_parser("scan", help="what the kernels reproduce in the installed transformers (scan --help)")
     report_cmd = commands.add_parser("report", help="what each module of a model type's tiny model runs")
@@ -169,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     report_cmd.add_argument(
         "--profile",
         default=None,
-        help="the stand-in's torch_npu release: a2-newest (default), a2-2.7.1, a2-2.6.0",
+        help="the stand-in's torch_npu release and device: a2-newest (default), a2-2.7.1, a2-2.6.0, "
+        "950-newest",
     )
     report_cmd.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     report_cmd.add_argument("--no-patch", action="store_true", help="build the model with patching off")

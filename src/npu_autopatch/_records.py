@@ -154,6 +154,14 @@ class PatchRecord:
         }
 
 
+def describe_calls(calls: dict) -> str:
+    """One target's ``calls`` entry in words: ``{"fused": 3, "stock": {"eval": 1}}`` as
+    'fused 3, stock 1 (eval: 1)'."""
+    stocked = sum(calls["stock"].values())
+    reasons = ", ".join(f"{reason}: {n}" for reason, n in calls["stock"].items())
+    return f"fused {calls['fused']}, stock {stocked}" + (f" ({reasons})" if reasons else "")
+
+
 class PatchError(Exception):
     """Strict mode: a selected model did not end ``applied``. The model has been rolled back.
 

@@ -99,7 +99,7 @@ def test_the_mostly_stock_report_needs_twenty_calls_and_more_than_a_tenth_stock(
     calls.fused = 18
     calls.went_stock("eval")
     assert not told  # 19 calls
-    calls.went_stock(lambda: "no_grad")  # 20 calls, 2 stock: not more than a tenth
+    calls.went_stock(lambda: "no_grad", (torch.ones(2),))  # 20 calls, 2 stock: not more than a tenth
     assert not told
     calls.went_stock("eval")  # 21 calls, 3 stock
     assert told == [("eval", 18, {"eval": 2, "no_grad": 1})]

@@ -242,7 +242,7 @@ def _on_error(model_type, key, built, fallback=None, calls=None):
     def on_error(exc, *tensors):
         if not is_op_failure(exc):
             raise exc
-        on_error.calls.went_stock(OP_FAILED_CALL, *tensors)
+        on_error.calls.went_stock(OP_FAILED_CALL, tensors)
         try:
             _demote(key, built, exc, tensors, fallback)
         except Exception as internal:  # the user's forward goes on with the stock result
@@ -261,7 +261,7 @@ def _counter(where):
     mostly go stock, naming the target, the rule that sent the call there and its shapes."""
 
     def mostly_stock(calls, reason, tensors):
-        stocked = sum(calls.stock.values())
+        stocked = calls.stocked
         try:
             shapes = _describe(tensors)
         except Exception as exc:  # a tensor subclass whose shape cannot be read: still warn

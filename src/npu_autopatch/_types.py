@@ -31,10 +31,10 @@ class Calls:
 
     The patcher hands one to every replacement it builds, as ``on_error.calls``; status() reads
     it. The replacement adds 1 to ``fused`` when its fused op ran, and calls ``went_stock(reason,
-    *tensors)`` when a per-call rule sent the call to the stock (or unfused) code, with the rule as
+    tensors)`` when a per-call rule sent the call to the stock (or unfused) code, with the rule as
     a short reason (``"head-dim 896 > 895"``, ``"eval"``) or a function returning it (so that a
-    reason built from shapes costs nothing on the fused path). The patcher's ``on_error`` counts a
-    fused op that raised as ``op-failed``.
+    reason built from shapes costs nothing on the fused path), and the call's input tensors. The
+    patcher's ``on_error`` counts a fused op that raised as ``op-failed``.
 
     No lock and no device work: ``fused += 1`` is a plain increment, so two threads calling one
     replacement at once may lose an increment (the counts are read by people, never used for a
@@ -43,25 +43,25 @@ class Calls:
     stock; it must not raise.
     """
 
-    __slots__ = ("fused", "mostly_stock", "stock")
+    __slots__ = ("fused", "mostly_stock", "stock", "stocked")
 
     def __init__(self, mostly_stock=None):
         self.fused = 0
         self.stock = {}
+        self.stocked = 0  # the sum of ``stock``
         self.mostly_stock = mostly_stock
 
-    def went_stock(self, reason, *tensors):
-        """Count one call the replacement sent to the stock code, and why."""
+    def went_stock(self, reason, tensors=()):
+        """Count one call the replacement sent to the stock code, and why (``tensors``: its inputs)."""
         if callable(reason):
             reason = reason()
         stock = self.stock
         stock[reason] = stock.get(reason, 0) + 1
-        tell = self.mostly_stock
-        if tell is not None:
-            stocked = sum(stock.values())
+        self.stocked = stocked = self.stocked + 1
+        if self.mostly_stock is not None:
             calls = stocked + self.fused
             if calls >= MOSTLY_STOCK_CALLS and stocked * MOSTLY_STOCK_SHARE > calls:
-                self.mostly_stock = None
+                tell, self.mostly_stock = self.mostly_stock, None
                 tell(self, reason, tensors)
 
     def as_dict(self):

@@ -30,6 +30,6 @@ def counters(on_error):
 
     def stock(reason, *tensors):
         if not compiling():
-            calls.went_stock(reason, *tensors)
+            calls.went_stock(reason, tensors)
 
     return fused, stock

@@ -48,6 +48,8 @@ passes it positionally), 5.x does not; see ``_stock_signature``. Where stock pro
 dtype of cos/sin, so does the replacement (npu_rotary_mul would cast cos/sin down to q's dtype).
 """
 
+import functools
+
 import torch
 
 from .._types import Kernel, Variant
@@ -82,6 +84,7 @@ _HEAD_DIM_LIMIT = 896
 _BATCH_HEADS_LIMIT = 1000
 
 
+@functools.lru_cache(maxsize=256)  # a model calls with few shapes: formatting the reason costs more
 def _why_stock(qs, cs, unsqueeze_dim, partial=False):
     """The rule that sent a call (q of shape ``qs``, cos/sin of shape ``cs``) to the stock code, for its
     count in status(): the checks of the builds below, in their order, named."""
@@ -103,6 +106,7 @@ def _why_stock(qs, cs, unsqueeze_dim, partial=False):
     return "empty input"
 
 
+@functools.lru_cache(maxsize=256)
 def _why_stock_vision(qs, cs):
     """``_why_stock`` of the vision form: q/k [S, N, D] or [B, S, N, D], cos/sin [S, D]."""
     if len(qs) not in (3, 4) or len(cs) != 2:

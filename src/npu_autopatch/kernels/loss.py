@@ -73,7 +73,7 @@ def _stock_loss_function():
     return LOSS_MAPPING["ForCausalLM"]
 
 
-def _why_stock(model, labels, return_dict, head, causal_lm_loss):
+def _why_stock(model, labels, return_dict, head):
     """The rule that sent a forward to the stock loss (for its count in status())."""
     if labels is None:
         return "no labels"
@@ -115,7 +115,7 @@ def _build(stock, npu, on_error):
             or _head_differs(head) is not None
             or self.loss_function is not causal_lm_loss
         ):
-            count_stock(lambda: _why_stock(self, labels, return_dict, head, causal_lm_loss), labels)
+            count_stock(lambda: _why_stock(self, labels, return_dict, head), labels)
             return stock(self, *args, **kwargs)
         captured = []
         thread = threading.get_ident()

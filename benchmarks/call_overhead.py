@@ -7,7 +7,10 @@ for the rotary function the per-call shape check that sends a shape the kernel c
 the stock code. The direct call does the same tensor work inline (the concatenation for
 npu_swiglu; for npu_rotary_mul the layout: q/k transposed to [B, S, N, D] and cos/sin to
 [1, S, 1, D], or flattened to [1, B*S, N, D] with a per-sample cos), so the difference is the
-check and the glue. Python frames are counted with sys.setprofile. Run with the venv's python:
+check and the glue. Python frames are counted with sys.setprofile. Last, what counting each call
+costs (issue 26: status().calls): the ``count_fused()`` / ``count_stock(reason)`` a replacement
+calls, each against an empty function call, on a ``Calls`` as the patcher hands it (with its
+mostly-stock report armed, the stock path's worst case). Run with the venv's python:
     .venv/bin/python benchmarks/call_overhead.py [--quick]
 ``--quick``: a hundredth of the calls, 3 runs (tests/test_benchmarks.py: the script keeps working).
 """
@@ -20,7 +23,9 @@ import types
 import torch
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
+from npu_autopatch import Calls
 from npu_autopatch.kernels import KERNELS, choose_variant
+from npu_autopatch.kernels._calls import counters
 
 
 def stub_npu(x):
@@ -132,6 +137,29 @@ def main():
             f"({t_patched - t_direct:+5.0f} ns); stock on CPU {t_stock:7.0f} ns; frames {ours}/{total}"
         )
     print(f"rope per-call shape check: {check_ns(qwen3.apply_rotary_pos_emb, npu, timing):.0f} ns")
+    fused, stock = counting_ns(timing)
+    print(f"counting per call: fused {fused:+.0f} ns, stock {stock:+.0f} ns")
+
+
+def counting_ns(timing):
+    """(ns added to a fused call, ns added to a stock call) by counting it: ``count_fused()`` and
+    ``count_stock("eval", x)`` against calling an empty function with the same arguments."""
+    calls = Calls(lambda *args: None)  # armed: every stock call checks the share (it never fires here)
+    calls.fused = 10**9
+    on_error = types.SimpleNamespace(calls=calls)
+    count_fused, count_stock = counters(on_error)
+    x = torch.randn(2)
+
+    def empty(*args):
+        return None
+
+    timing = (timing[0] * 5, timing[1])  # well under a microsecond each: more calls per run
+    base = ns_per_call(empty, timing)
+    fused = ns_per_call(count_fused, timing) - base
+    stock = ns_per_call(lambda: count_stock("eval", x), timing) - ns_per_call(
+        lambda: empty("eval", x), timing
+    )
+    return fused, stock
 
 
 def check_ns(stock_function, npu, timing):

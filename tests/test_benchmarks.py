@@ -21,7 +21,7 @@ BENCHMARKS = ROOT / "benchmarks"
 # script -> a line of its table (a regular expression, matched against each printed line)
 TABLES = {
     "aten_ops.py": r"  qwen3 +patched +\d+ ops = +\d+ aten \+ fused: .*npu_rms_norm \d+.*",
-    "call_overhead.py": r"rope per-call shape check: -?\d+ ns",
+    "call_overhead.py": r"counting per call: fused [+-]\d+ ns, stock [+-]\d+ ns",
     "discovery_overhead.py": r"discovering \+ patching modeling_doge: +\d+\.\d\d ms",
     "import_overhead.py": r"both, per unrelated first import: +-?\d+ ns .*",
     "linear_attention.py": r"  +\d+ tokens, 4 documents *: stock +\d+ ops .* \| patched +\d+ ops +\d+\.\d ms",

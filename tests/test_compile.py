@@ -2,8 +2,10 @@
 
 The stand-in's ops are torch.library ops with fake kernels (as torch_npu's are), counted inside their kernels,
 so dynamo traces a patched training step in one graph and does not recompile on the next call; the op counts
-prove the fused ops ran inside the compiled graphs. The aot_eager backend traces forward and backward
-(AOTAutograd, the fake kernels, the registered backward formulas) without inductor's C++ compile.
+prove the fused ops ran inside the compiled graphs. The replacements' own call counts (status().calls) skip
+compiled calls: counting there would make dynamo guard on the count and recompile. The aot_eager backend
+traces forward and backward (AOTAutograd, the fake kernels, the registered backward formulas) without
+inductor's C++ compile.
 """
 
 import collections
@@ -47,11 +49,14 @@ def test_a_patched_training_step_compiles_in_one_graph_without_recompiling(model
     eager_logits, eager_grads = forward_backward(model, input_ids, labels, **inputs)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     before = dict(npu_stand_in.calls)
+    counted = npu_autopatch.status()[model_type].calls
+    assert counted and all(c["fused"] for c in counted.values())  # the eager step was counted
     with dynamo.config.patch(error_on_recompile=True):
         for _ in range(3):  # a recompile would raise here
             logits, grads = forward_backward(compiled, input_ids, labels, **inputs)
     ran = {op: npu_stand_in.calls[op] - before.get(op, 0) for op in STEP_OPS[model_type]}
     assert ran == {op: 3 * n for op, n in STEP_OPS[model_type].items()}
+    assert npu_autopatch.status()[model_type].calls == counted  # compiled calls are not counted
     torch.testing.assert_close(logits, eager_logits)
     for name, grad in eager_grads.items():
         if grad is not None:  # the compiled module names its parameters under _orig_mod

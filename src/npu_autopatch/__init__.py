@@ -11,10 +11,11 @@ class) are loaded on first use.
 """
 
 from ._control import disable, enable, is_enabled, register, status, unregister
-from ._types import Kernel, Model, Target, Variant
+from ._types import Calls, Kernel, Model, Target, Variant
 
 __version__ = "0.1.0"
 __all__ = [
+    "Calls",
     "CoverageReport",
     "Kernel",
     "Model",

@@ -24,7 +24,7 @@ import platform
 import sys
 
 from . import _control, _device
-from ._records import PatchRecord, ReasonCode, State
+from ._records import PatchRecord, ReasonCode, State, describe_calls
 from ._state import STATE
 from ._table import columns
 from .models import BUILTIN, MODELS
@@ -42,6 +42,8 @@ def environment(simulated: bool = False) -> dict:
     npu, reason = _device.probe()
     if npu is not None:
         name = npu.npu.get_device_name(0) if hasattr(npu.npu, "get_device_name") else "npu"
+        if simulated:  # the stand-in says which release and device it models
+            name = f"{name}; {npu.__doc__.rstrip('.')}"
         device = f"yes ({name})"
     else:
         device = f"no: {reason}"
@@ -90,13 +92,16 @@ def _import_failed(model, exc) -> PatchRecord:
 
 
 def format_table(report: dict[str, PatchRecord]) -> str:
-    """One row per model, then one row per target it left stock, with that target's code and why."""
+    """One row per model, then one row per target it left stock, with that target's code and why,
+    and one per target whose replacement ran, with how its calls went."""
     rows = [("model", "state", "code", "kernels", "reason")]
     for r in report.values():
         about_model = "; ".join(part for part in (r.cause, *r.notes) if part)
         code = r.code.value if r.code else "-"
         rows.append((r.model, r.state.value, code, ",".join(r.kernels) or "-", about_model))
         rows += [("", "", reason.code.value, "", reason.text) for reason in r.stock_reasons.values()]
+        called = {where: c for where, c in r.calls.items() if c["fused"] or c["stock"]}
+        rows += [("", "", "calls", "", f"{where}: {describe_calls(c)}") for where, c in called.items()]
     return columns(rows)
 
 
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         const=True,
         metavar="PROFILE",
         help="use the CPU stand-in (with --device cpu); PROFILE: the torch_npu release it models "
-        "(a2-newest, the default; a2-2.7.1; a2-2.6.0)",
+        "(a2-newest, the default; a2-2.7.1; a2-2.6.0; 950-newest)",
     )
     commands.add_parser("scan", help="what the kernels reproduce in the installed transformers (scan --help)")
     report_cmd = commands.add_parser("report", help="what each module of a model type's tiny model runs")
@@ -162,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     report_cmd.add_argument(
         "--profile",
         default=None,
-        help="the stand-in's torch_npu release: a2-newest (default), a2-2.7.1, a2-2.6.0",
+        help="the stand-in's torch_npu release and device: a2-newest (default), a2-2.7.1, a2-2.6.0, "
+        "950-newest",
     )
     report_cmd.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     report_cmd.add_argument("--no-patch", action="store_true", help="build the model with patching off")

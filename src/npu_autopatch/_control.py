@@ -124,6 +124,7 @@ def _apply(config):
         _revert_all("a new selection replaced the previous one")
         _forget_discovered()
         STATE.records.clear()  # decisions taken under the previous selection no longer hold
+        STATE.calls.clear()  # each enable() counts its replacements' calls from zero
         STATE.config = config
         STATE.enabled = True
         _new_generation()

@@ -25,6 +25,7 @@ class Slot:
         "had_own",
         "holders",
         "kernel",
+        "note",
         "original",
         "owner",
         "refresh",
@@ -46,6 +47,7 @@ class Slot:
         variant=None,
         seen=_ORIGINAL,
         refresh=None,
+        note=None,
     ):
         self.owner = owner  # kept alive so that id(owner) in the ledger key stays valid
         self.attr = attr
@@ -58,6 +60,7 @@ class Slot:
         self.variant = variant
         self.seen = original if seen is _ORIGINAL else seen  # what the plan found there (checked at commit)
         self.refresh = refresh  # the kernel's refresh(): a cache of this attribute follows each swap
+        self.note = note  # why this variant and not an earlier one (a requirement refused that), or None
 
     def current(self):
         return current(self.owner, self.attr)

@@ -31,7 +31,7 @@ from . import _device, _experts, _ledger, _log, _resolve
 from ._failures import is_op_failure
 from ._records import PatchError, PatchRecord, ReasonCode, State, TargetReason
 from ._state import STATE, locked
-from ._types import KERNEL_NAMES, Kernel
+from ._types import KERNEL_NAMES, Calls, Kernel
 from .kernels import KERNELS, choose_variant
 
 
@@ -132,7 +132,7 @@ def _conclude(model, module, config, plan):
         if plan.code is not ReasonCode.NO_NPU:  # that one was said once, for every model
             _log.warning(f"{model.model_type}: {verb}: {plan}")
         return _record(model, state, plan.code, str(plan))
-    steps, placed, stock = plan
+    steps, placed, stock, counted = plan
     for key, slot in steps:
         held = STATE.slots.get(key)
         now = _resolve.current(slot.owner, slot.attr)
@@ -155,6 +155,7 @@ def _conclude(model, module, config, plan):
         cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _ledger.SwapRefused) else str(exc)
         _log.warning(f"{model.model_type}: failed, left stock: {cause}")
         return _record(model, State.FAILED, ReasonCode.SWAP_FAILED, cause)
+    STATE.calls.update(counted)
     rec = STATE.records[model.model_type] = _applied_record(model, stock)
     if stock:
         listed = ", ".join(f"{where} ({reason.code.value})" for where, reason in stock.items())
@@ -188,6 +189,7 @@ def _applied_record(model, stock):
         targets=tuple(s.where for s in mine),
         variants={s.where: s.variant for s in mine if s.variant},
         stock_reasons=dict(stock),
+        notes=tuple(s.note for s in mine if s.note),
     )
 
 
@@ -229,22 +231,47 @@ def _load_plugin(model):
         ) from exc
 
 
-def _on_error(model_type, key, built, fallback=None):
+def _on_error(model_type, key, built, fallback=None, calls=None):
     """Contract C1: the on_error a replacement calls when its fused op raised.
 
     It re-raises what is not the op's own failure (torch's control flow, out of memory: see
-    _failures), else demotes the target and never raises.
+    _failures), else counts the call as stock (``op-failed``), demotes the target and never raises.
+    ``on_error.calls`` is the replacement's ``Calls`` (how its calls ran, for status()).
     """
 
     def on_error(exc, *tensors):
         if not is_op_failure(exc):
             raise exc
+        on_error.calls.went_stock(OP_FAILED_CALL, tensors)
         try:
             _demote(key, built, exc, tensors, fallback)
         except Exception as internal:  # the user's forward goes on with the stock result
             _log.warning(f"{model_type}: could not put the stock code back after {exc!r}: {internal!r}")
 
+    on_error.calls = Calls() if calls is None else calls
     return on_error
+
+
+# The reason a call is counted stock when its fused op raised (on_error).
+OP_FAILED_CALL = "op-failed"
+
+
+def _counter(where):
+    """The Calls of a replacement built for ``where``: one rank-0 WARNING the first time its calls
+    mostly go stock, naming the target, the rule that sent the call there and its shapes."""
+
+    def mostly_stock(calls, reason, tensors):
+        stocked = calls.stocked
+        try:
+            shapes = _describe(tensors)
+        except Exception as exc:  # a tensor subclass whose shape cannot be read: still warn
+            shapes = f"shapes unreadable: {exc!r}"
+        _log.warning(
+            f"{where}: {stocked} of {stocked + calls.fused} calls ran the stock code, not the fused op; "
+            f"the latest because of {reason} ({shapes}); npu_autopatch.status() has the counts per reason"
+        )
+
+    return Calls(mostly_stock)
 
 
 def _describe(tensors):
@@ -309,7 +336,7 @@ def _plan(model, module, config, generation):
     targets = model.targets
     if model.load is not None and not targets:
         targets = model.targets = _load_plugin(model)
-    steps, placed, stock = [], [], {}
+    steps, placed, stock, counted = [], [], {}, {}
     targets = present_targets(targets)
     selected = [t for t in targets if config.selects(t.kernel_name)]
     if not selected:
@@ -372,13 +399,20 @@ def _plan(model, module, config, generation):
         if variant is None:
             stock[where] = _left_stock(ReasonCode.MATH_DIFFERS, kernel, where, mismatch)
             continue
+        note = None
+        if wanted is not None and kernel.variants.index(wanted) < kernel.variants.index(variant):
+            # e.g. the attention kernel's sinks unfused on a device whose fused op drops them
+            why = _requirement(wanted, npu)
+            note = f"{kernel.name} at {where} runs its {variant.name} variant, not {wanted.name}: {why}"
         interface = _experts.interface_of(current)
         built = []
+        calls = counted[where] = _counter(where)
         on_error = _on_error(
             model.model_type,
             key if interface is None else (id(owner), _experts.ATTR),
             built,
             getattr(kernel, "fallback", None),
+            calls,
         )
         try:
             fallback = _experts.fallback(current) if interface is not None else stock_code
@@ -407,10 +441,12 @@ def _plan(model, module, config, generation):
             placed += more_placed
             continue
         names = (kernel.name, variant.name)
-        slot = _ledger.Slot(owner, attr, current, replacement, had_own, where, *names, refresh=kernel.refresh)
+        slot = _ledger.Slot(
+            owner, attr, current, replacement, had_own, where, *names, refresh=kernel.refresh, note=note
+        )
         steps.append((key, slot))
         placed.append((path, key))
-    return steps, placed, stock
+    return steps, placed, stock, counted
 
 
 def _left_stock(code, kernel, where, why):

@@ -99,7 +99,9 @@ class PatchRecord:
     registry; discovery built it from the candidates the probes accepted, and ``refused``
     maps the candidates they refused to why. ``cause`` is what concerns the model as a
     whole (a failure, a skip), ``notes`` what status() adds to it; ``reason`` reads them all
-    as one sentence.
+    as one sentence. ``calls`` maps each target that holds (or held) a replacement of this
+    enable() to how its calls ran: ``{"fused": int, "stock": {reason: int}}`` (calls traced by
+    torch.compile are not counted; docs/status-and-verify.md).
     """
 
     model: str
@@ -115,6 +117,7 @@ class PatchRecord:
     discovered: bool = False
     refused: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    calls: dict[str, dict] = field(default_factory=dict)
 
     @property
     def reason(self) -> str | None:
@@ -145,7 +148,18 @@ class PatchRecord:
             "discovered": self.discovered,
             "refused": dict(self.refused),
             "notes": list(self.notes),
+            "calls": {
+                target: {"fused": c["fused"], "stock": dict(c["stock"])} for target, c in self.calls.items()
+            },
         }
+
+
+def describe_calls(calls: dict) -> str:
+    """One target's ``calls`` entry in words: ``{"fused": 3, "stock": {"eval": 1}}`` as
+    'fused 3, stock 1 (eval: 1)'."""
+    stocked = sum(calls["stock"].values())
+    reasons = ", ".join(f"{reason}: {n}" for reason, n in calls["stock"].items())
+    return f"fused {calls['fused']}, stock {stocked}" + (f" ({reasons})" if reasons else "")
 
 
 class PatchError(Exception):
@@ -216,6 +230,13 @@ def _live(model, roots):
         note = explicit_note(model_type)
         if note and rec.state in (State.APPLIED, State.PARTIAL):
             rec = replace(rec, notes=(*rec.notes, note))
+    counted = {
+        where: STATE.calls[where].as_dict()
+        for where in (*rec.targets, *rec.stock_reasons)
+        if where in STATE.calls
+    }
+    if counted:
+        rec = replace(rec, calls=counted)
     module = sys.modules.get(model.module)
     if module is not None and model.targets:
         shared = _ledger.shared_targets(model, module)

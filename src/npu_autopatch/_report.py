@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass, field
 
 from . import _candidates, _control, _experts, _resolve
-from ._records import PatchRecord, ReasonCode, State
+from ._records import PatchRecord, ReasonCode, State, describe_calls
 from ._state import STATE, locked
 from ._table import columns
 from ._types import OPT_IN_KERNELS
@@ -104,6 +104,8 @@ class CoverageReport:
     flags: list[Flag]
     records: dict[str, PatchRecord]  # status() of the models whose modeling modules the model uses
     attention: list[AttentionEntry] = field(default_factory=list)  # see _attention_paths
+    # How the calls of the replacements in those records ran (PatchRecord.calls), per target path.
+    calls: dict[str, dict] = field(default_factory=dict)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -129,6 +131,9 @@ class CoverageReport:
             "flags": [vars(f).copy() for f in self.flags],
             "records": {name: rec.as_dict() for name, rec in self.records.items()},
             "attention": [vars(a).copy() for a in self.attention],
+            "calls": {
+                target: {"fused": c["fused"], "stock": dict(c["stock"])} for target, c in self.calls.items()
+            },
         }
 
     def summary(self) -> str:
@@ -153,10 +158,18 @@ class CoverageReport:
             attention = [("attention", "n", "implementation", "runs")]
             attention += [(a.name, str(a.count), a.implementation, a.path) for a in self.attention]
             lines += ["", columns(attention)]
+        if self._called():
+            calls = [("target", "calls")]
+            calls += [(where, describe_calls(c)) for where, c in self._called().items()]
+            lines += ["", columns(calls)]
         if self.flags:
             lines.append("")
             lines += [f"FLAG {_kind(f)}: {f.subject}: {f.message}" for f in self.flags]
         return "\n".join(lines)
+
+    def _called(self) -> dict[str, dict]:
+        """The targets whose replacement ran at least once."""
+        return {where: c for where, c in self.calls.items() if c["fused"] or c["stock"]}
 
     def markdown(self) -> str:
         lines = [
@@ -174,6 +187,9 @@ class CoverageReport:
         if self.attention:
             lines += ["", "| attention | instances | implementation | runs |", "|---|---|---|---|"]
             lines += [f"| `{a.name}` | {a.count} | {a.implementation} | {a.path} |" for a in self.attention]
+        if self._called():
+            lines += ["", "| target | calls |", "|---|---|"]
+            lines += [f"| `{where}` | {describe_calls(c)} |" for where, c in self._called().items()]
         if self.flags:
             lines += ["", "| flag | subject | why |", "|---|---|---|"]
             lines += [f"| {_kind(f)} | `{f.subject}` | {f.message} |" for f in self.flags]
@@ -464,6 +480,7 @@ def report(model) -> CoverageReport:
         flags,
         relevant,
         _attention_paths(groups, records),
+        {where: c for rec in relevant.values() for where, c in rec.calls.items()},
     )
 
 

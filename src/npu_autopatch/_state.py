@@ -31,6 +31,7 @@ class _State:
         "arm_error",
         "armed",
         "booted",
+        "calls",
         "config",
         "default_experts",
         "deferred",
@@ -94,6 +95,9 @@ class _State:
         self.placed = {}  # model type -> (module, ((path, key), ...)) of its latest application
         self.records = {}  # model type -> PatchRecord of its latest decision
         self.overrides_told = set()  # (model type, cause) of each replaced-after-us logged already
+        # target path -> _types.Calls of the replacement installed there: how its calls ran. Kept
+        # after disable() (status() of a reverted model still shows them), new with each enable().
+        self.calls = {}
         self.explicit_experts = {}  # model type -> experts implementations users asked for (5.x)
         # id(config) -> config whose "grouped_mm" is transformers' default, and of the models
         # explicitly given "grouped_mm", in this process (_experts): weakly held, so that nothing

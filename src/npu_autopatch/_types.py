@@ -24,18 +24,68 @@ OPT_IN_KERNELS = ("loss",)
 STEP_ASIDE_KERNELS = ("step_aside",)
 
 
+# A target's calls "mostly go stock" (Calls' one-time report) once more than 1 in
+# MOSTLY_STOCK_SHARE of at least MOSTLY_STOCK_CALLS calls ran the stock code.
+MOSTLY_STOCK_CALLS = 20
+MOSTLY_STOCK_SHARE = 10
+
+
+class Calls:
+    """How the calls of one installed replacement ran: ``fused`` (an int) and ``stock`` ({reason: int}).
+
+    The patcher hands one to every replacement it builds, as ``on_error.calls``; status() reads
+    it. The replacement adds 1 to ``fused`` when its fused op ran, and calls ``went_stock(reason,
+    tensors)`` when a per-call rule sent the call to the stock (or unfused) code, with the rule as
+    a short reason (``"head-dim 896 > 895"``, ``"eval"``) or a function returning it (so that a
+    reason built from shapes costs nothing on the fused path), and the call's input tensors. The
+    patcher's ``on_error`` counts a fused op that raised as ``op-failed``.
+
+    No lock and no device work: ``fused += 1`` is a plain increment, so two threads calling one
+    replacement at once may lose an increment (the counts are read by people, never used for a
+    decision). ``mostly_stock(calls, reason, tensors)``, when given, is called once, from the stock
+    call that makes more than 1 in ``MOSTLY_STOCK_SHARE`` of at least ``MOSTLY_STOCK_CALLS`` calls
+    stock; it must not raise.
+    """
+
+    __slots__ = ("fused", "mostly_stock", "stock", "stocked")
+
+    def __init__(self, mostly_stock=None):
+        self.fused = 0
+        self.stock = {}
+        self.stocked = 0  # the sum of ``stock``
+        self.mostly_stock = mostly_stock
+
+    def went_stock(self, reason, tensors=()):
+        """Count one call the replacement sent to the stock code, and why (``tensors``: its inputs)."""
+        if callable(reason):
+            reason = reason()
+        stock = self.stock
+        stock[reason] = stock.get(reason, 0) + 1
+        self.stocked = stocked = self.stocked + 1
+        if self.mostly_stock is not None:
+            calls = stocked + self.fused
+            if calls >= MOSTLY_STOCK_CALLS and stocked * MOSTLY_STOCK_SHARE > calls:
+                tell, self.mostly_stock = self.mostly_stock, None
+                tell(self, reason, tensors)
+
+    def as_dict(self):
+        """Plain JSON-ready data: ``{"fused": int, "stock": {reason: int}}``."""
+        return {"fused": self.fused, "stock": dict(self.stock)}
+
+
 class Variant:
     """One way to implement a kernel: ``build(stock, npu, on_error)`` and ``probe(stock, candidate)``.
 
     ``build`` returns the replacement for the stock function or method; it closes over
     ``npu`` (the torch_npu module) and calls the fused ops as its attributes, with the
-    documented signatures: no extra frame. When a fused op raises inside the replacement (a
-    device rule nobody knew), the replacement calls ``on_error(exc, *input_tensors)`` and
-    returns the stock result for that call; the patcher's ``on_error`` puts the stock code
-    back for the rest of the process and reports it. What is not the op's own failure
-    (torch's control flow such as checkpoint's early stop, out of memory) ``on_error``
-    re-raises untouched (see _failures). ``probe`` runs the stock code and a
-    candidate built on the CPU reference ops on tiny inputs and returns None when they
+    documented signatures: no extra frame. It reports how each call ran through
+    ``on_error.calls`` (a ``Calls``; kernels/_calls.py gives the two functions to call). When a
+    fused op raises inside the replacement (a device rule nobody knew), the replacement calls
+    ``on_error(exc, *input_tensors)`` and returns the stock result for that call; the patcher's
+    ``on_error`` puts the stock code back for the rest of the process and reports it. What is
+    not the op's own failure (torch's control flow such as checkpoint's early stop, out of
+    memory) ``on_error`` re-raises untouched (see _failures). ``probe`` runs the stock code and
+    a candidate built on the CPU reference ops on tiny inputs and returns None when they
     agree, else why not. ``probe=None`` trusts the variant without checking (for a
     plugin's own kernel; the parity test is then the only proof). ``requires(npu)``, when
     given, returns None if the installed torch_npu can run this variant, else why not.

@@ -154,15 +154,58 @@ def swiglu_requirement(npu):
     )
 
 
+# The device families whose npu_fusion_attention forward hands ``sink`` to the kernel, as the SoC
+# name torch.npu.get_device_name(0) starts: the ones the sources were read for and the stand-in
+# models (Atlas A2). Not the Ascend 950 (sink_requirement); any other family is unverified.
+SINK_FAMILIES = ("Ascend910B",)
+
+
+def device_family(npu):
+    """The SoC name torch_npu reports for device 0 (e.g. "Ascend910B1", "Ascend950..."), or None.
+
+    ``torch.npu.get_device_name(0)`` returns ``aclrtGetSocName()`` (Ascend/pytorch
+    torch_npu/csrc/npu/Module.cpp ``GetDeviceName``) after checking the index against the device
+    count: no device context is opened (without the index it would ask ``current_device()``, which
+    initialises the device; ``torch_npu.npu.utils.get_soc_version()`` does too).
+    """
+    try:
+        return npu.npu.get_device_name(0) or None
+    except Exception:  # no torch_npu.npu, no device, or a CANN that cannot say
+        return None
+
+
+def _sink_family_reason(npu):
+    """None if this device's fused forward takes the sink, else why the sinks must run unfused."""
+    soc = device_family(npu)
+    if soc is not None and soc.startswith(SINK_FAMILIES):
+        return None
+    if soc is not None and soc.startswith("Ascend950"):
+        return (
+            f"on {soc} (Ascend 950) npu_fusion_attention's forward passes no sink to the kernel while its "
+            "backward passes it (op-plugin 26.0.0, 26.1.0 and master, FlashAttentionKernelNpuOpApi.cpp; CANN "
+            "documents the sink as not supported on the 950 yet): fused, the sinks would be silently dropped"
+        )
+    return (
+        f"the device ({soc or 'its SoC name unreadable'}) is not a family whose fused sink was checked "
+        f"against op-plugin's source ({', '.join(f'{family}*' for family in SINK_FAMILIES)})"
+    )
+
+
 def sink_requirement(npu):
-    """None if npu_fusion_attention takes ``sink`` (attention sinks), else why not.
+    """None if npu_fusion_attention takes ``sink`` (attention sinks) on this device, else why not.
 
     ``sink`` arrived in op-plugin 7.3.0, in the forward and in npu_fusion_attention_grad, which
     returns its gradient from then on (op_plugin_functions.yaml and derivatives.yaml of the 7.3.0
     branch; 7.2.0 has neither); the op's doc adds that the device needs CANN 8.5.0, which the
     version does not tell: an older CANN raises at the call ("The param sink is not supported in
-    this CANN version", FlashAttentionKernelNpuOpApi.cpp).
+    this CANN version", FlashAttentionKernelNpuOpApi.cpp). The device family must be one whose
+    forward hands the sink to the kernel (``SINK_FAMILIES``; not the Ascend 950).
     """
+    return _sink_release_reason(npu) or _sink_family_reason(npu)
+
+
+def _sink_release_reason(npu):
+    """None if this torch_npu's npu_fusion_attention has ``sink``, else why not."""
     version = getattr(npu, "__version__", None)
     line = op_plugin_line(version)
     if line is None:

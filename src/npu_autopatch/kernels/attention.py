@@ -38,6 +38,7 @@ import weakref
 import torch
 
 from .._types import Kernel, Variant
+from ._calls import counters
 from ._probe import agree, first_disagreement, generator, randn, signature_reason
 from ._requirements import sink_requirement
 
@@ -146,9 +147,15 @@ def _exposed(replacement):
     return replacement
 
 
+def _why_unfused(softcap, failed):
+    """The rule that sent a call to the unfused math (for its count in status())."""
+    return "softcap" if softcap is not None else "op-failed" if failed else "sinks unfused"
+
+
 def _build_dense(stock, npu, on_error, fused_sink=True):
     get_mask, causal_mode = _stock_mask(stock)
     failed = []
+    count_fused, count_stock = counters(on_error)
 
     def npu_flash_attn_func(
         q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=None, softcap=None, s_aux=None,
@@ -159,12 +166,17 @@ def _build_dense(stock, npu, on_error, fused_sink=True):
         if softcap is None and not failed and (s_aux is None or fused_sink):
             options = _fused_options(q.device, causal, pre, nxt, s_aux, get_mask, causal_mode)
             try:
-                return npu.npu_fusion_attention(
+                out = npu.npu_fusion_attention(
                     q, k, v, q.shape[2], "BSND", keep_prob=1.0 - dropout_p, scale=scale, **options
                 )[0]
             except Exception as exc:
                 on_error(exc, q, k, v)
                 failed.append(exc)
+            else:
+                count_fused()
+                return out
+        else:
+            count_stock(_why_unfused(softcap, failed), q)
         return _unfused(q, k, v, scale, pre, nxt, s_aux, softcap, dropout_p)
 
     return _exposed(npu_flash_attn_func)
@@ -173,6 +185,7 @@ def _build_dense(stock, npu, on_error, fused_sink=True):
 def _build_varlen(stock, npu, on_error, fused_sink=True):
     get_mask, causal_mode = _stock_mask(stock)
     failed = []
+    count_fused, count_stock = counters(on_error)
 
     def npu_flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
@@ -185,13 +198,18 @@ def _build_varlen(stock, npu, on_error, fused_sink=True):
         if softcap is None and not failed and (s_aux is None or fused_sink):
             options = _fused_options(q.device, causal, pre, nxt, s_aux, get_mask, causal_mode)
             try:
-                return npu.npu_fusion_attention(
+                out = npu.npu_fusion_attention(
                     q, k, v, q.shape[1], "TND", keep_prob=1.0 - dropout_p, scale=scale,
                     actual_seq_qlen=ends_q, actual_seq_kvlen=ends_k, **options,
                 )[0]  # fmt: skip
             except Exception as exc:
                 on_error(exc, q, k, v)
                 failed.append(exc)
+            else:
+                count_fused()
+                return out
+        else:
+            count_stock(_why_unfused(softcap, failed), q)
         pieces, q0, k0 = [], 0, 0
         for q1, k1 in zip(ends_q, ends_k, strict=True):
             one = (q[q0:q1], k[k0:k1], v[k0:k1])

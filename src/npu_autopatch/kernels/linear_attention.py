@@ -58,6 +58,7 @@ import sys
 import torch
 
 from .._types import Kernel, Variant
+from ._calls import counters
 from ._probe import (
     agree_strict,
     first_disagreement,
@@ -118,6 +119,11 @@ def mix_documents(
     return mixed[valid].reshape(batch, length, -1)
 
 
+# A call of a replacement no longer installed (disable() or on_error put stock back), reaching it
+# through a 4.x mixer that keeps the function it was bound to.
+_RETIRED = "taken out"
+
+
 def _is_chunk_rule(stock) -> bool:
     return "chunk_size" in (parameters(stock) or ())
 
@@ -154,8 +160,9 @@ def _retired(replacement, home) -> bool:
 def _build_fla(stock, npu, on_error):
     """fla's kernel (its Ascend backend on an NPU); if it raises, the chunk scan for that call."""
     rule, _ = _fla_rule()
-    scan = _build_chunk_scan(stock, npu, on_error)
+    scan = _build_chunk_scan(stock, npu, on_error, counted=False)
     home = sys.modules.get(stock.__module__)
+    count_fused, count_stock = counters(on_error)
 
     def torch_chunk_gated_delta_rule(
         query,
@@ -170,6 +177,7 @@ def _build_fla(stock, npu, on_error):
         **kwargs,
     ):
         if _retired(torch_chunk_gated_delta_rule, home):
+            count_stock(_RETIRED, query)
             return stock(
                 query,
                 key,
@@ -182,7 +190,7 @@ def _build_fla(stock, npu, on_error):
                 use_qk_l2norm_in_kernel,
             )
         try:
-            return rule(
+            out = rule(
                 query,
                 key,
                 value,
@@ -206,6 +214,8 @@ def _build_fla(stock, npu, on_error):
                 output_final_state,
                 use_qk_l2norm_in_kernel,
             )
+        count_fused()
+        return out
 
     return torch_chunk_gated_delta_rule
 
@@ -231,9 +241,12 @@ def _probe_fla(stock, candidate):
 _probe_fla.installed = lambda: _fla_rule()[1] is None
 
 
-def _build_chunk_scan(stock, npu, on_error):
-    """``torch_chunk_gated_delta_rule`` with the chunks scanned in log2(chunks) batched steps."""
+def _build_chunk_scan(stock, npu, on_error, counted=True):
+    """``torch_chunk_gated_delta_rule`` with the chunks scanned in log2(chunks) batched steps.
+
+    ``counted=False``: fla's fallback, whose calls the fla replacement counts itself."""
     home = sys.modules.get(stock.__module__)
+    count_fused, count_stock = counters(on_error if counted else None)
 
     def torch_chunk_gated_delta_rule(
         query,
@@ -251,12 +264,15 @@ def _build_chunk_scan(stock, npu, on_error):
         if kwargs.get("cu_seqlens") is not None or _retired(torch_chunk_gated_delta_rule, home):
             # Stock's own answer (fla's packed kernel, else its ValueError): the decoder layer
             # never passes them, it lays the documents out as rows.
+            count_stock("cu_seqlens" if kwargs.get("cu_seqlens") is not None else _RETIRED, query)
             return stock(*args, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
         try:
-            return chunk_gated_delta_rule(*args, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            out = chunk_gated_delta_rule(*args, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         except Exception as exc:  # an op the device cannot take: stock for this call, and on_error
             on_error(exc, query, key, value)
             return stock(*args, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+        count_fused()
+        return out
 
     return torch_chunk_gated_delta_rule
 
@@ -299,24 +315,27 @@ def _build_decoder_layer(stock, npu, on_error):
     layer = stock.__wrapped__ if checkpointing_layer is not None else stock
     # The modeling module's namespace (4.x decorates the forward: its __globals__ are the decorator's).
     namespace = vars(sys.modules[layer.__module__])
+    count_fused, count_stock = counters(on_error)
 
     def forward(self, hidden_states, *args, **kwargs):
         mixer = getattr(self, "linear_attn", None)
-        if mixer is not None:
-            _adopt_chunk_function(mixer, namespace)
+        if mixer is None:  # a full-attention layer: not this kernel's computation, not counted
+            return layer(self, hidden_states, *args, **kwargs)
+        _adopt_chunk_function(mixer, namespace)
         attention_mask = kwargs.get("attention_mask")
         if (
-            mixer is None
-            or args
+            args
             or (attention_mask is not None and attention_mask.ndim != 2)
             or torch.compiler.is_compiling()  # finding documents reads values: no graph could hold it
         ):
+            count_stock("positional arguments" if args else "mask not 2-D", hidden_states)
             return layer(self, hidden_states, *args, **kwargs)
         batch, length = hidden_states.shape[:2]
         # As in flash attention, position_ids tell documents apart only where no padding mask does.
         position_ids = kwargs.get("position_ids") if attention_mask is None else None
         starts = document_starts(batch * length, position_ids, kwargs.get("cu_seq_lens_q"))
         if starts is None:
+            count_stock("unpacked", hidden_states)
             return layer(self, hidden_states, *args, **kwargs)
         residual = hidden_states
         mixed = mix_documents(mixer, self.input_layernorm(hidden_states), starts, attention_mask)
@@ -325,6 +344,7 @@ def _build_decoder_layer(stock, npu, on_error):
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
         if isinstance(hidden_states, tuple):  # a 4.x sparse block returns (hidden, router_logits)
             hidden_states = hidden_states[0]
+        count_fused()
         return residual + hidden_states
 
     if checkpointing_layer is None:

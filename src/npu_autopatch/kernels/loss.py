@@ -41,6 +41,7 @@ import torch
 
 from .._types import Kernel, Variant
 from ..losses import linear_cross_entropy
+from ._calls import counters
 from ._probe import _set, agree_strict, first_disagreement, generator, linear, parameters, randn
 
 _LINEAR_FORWARD = torch.nn.Linear.forward
@@ -72,8 +73,31 @@ def _stock_loss_function():
     return LOSS_MAPPING["ForCausalLM"]
 
 
+def _why_stock(model, labels, return_dict, head):
+    """The rule that sent a forward to the stock loss (for its count in status())."""
+    if labels is None:
+        return "no labels"
+    if not return_dict:
+        return "return_dict=False"
+    if not model.training:
+        return "eval"
+    if not torch.is_grad_enabled():
+        return "no_grad"
+    if _head_differs(head) is not None:
+        return "lm_head not a plain nn.Linear"
+    return "own loss_function"
+
+
+def _why_unchunked(hidden, head):
+    """Why the loss of a forward that kept its hidden states was the stock head's."""
+    if hidden is None:
+        return "lm_head not called once"
+    return "autocast" if hidden.dtype == head.weight.dtype else "lm_head dtype differs"
+
+
 def _build(stock, npu, on_error):
     causal_lm_loss = _stock_loss_function()
+    count_fused, count_stock = counters(on_error)
 
     @functools.wraps(stock)
     def forward(self, *args, **kwargs):
@@ -92,6 +116,7 @@ def _build(stock, npu, on_error):
             or torch.is_autocast_enabled(head.weight.device.type)
             or self.loss_function is not causal_lm_loss
         ):
+            count_stock(lambda: _why_stock(self, labels, return_dict, head), labels)
             return stock(self, *args, **kwargs)
         captured = []
         thread = threading.get_ident()
@@ -115,6 +140,13 @@ def _build(stock, npu, on_error):
                 loss = _chunked_loss(hidden, head.weight, labels, kwargs)
             except Exception as exc:
                 on_error(exc, hidden, head.weight)
+            else:
+                if loss is None:
+                    count_stock("labels not the kept positions", labels)
+                else:
+                    count_fused()
+        else:
+            count_stock(lambda: _why_unchunked(hidden, head), labels)
         if loss is None:
             if hidden is None:  # the head ran other than once: the stock forward, all of it
                 return stock(self, *args, **kwargs)

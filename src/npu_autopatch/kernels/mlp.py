@@ -16,6 +16,7 @@ torch_npu-npu_swiglu.md), e.g. a rank whose micro-batch has no tokens.
 import torch
 
 from .._types import Kernel, Variant
+from ._calls import counters
 from ._probe import agree_strict, generator, instance, linear, randn, with_stock_names
 from ._requirements import swiglu_requirement
 
@@ -31,12 +32,19 @@ def _silu_types():
     return frozenset(types_)
 
 
+def _stock_rule(activation, silu_types):
+    """Why a call ran stock: the instance's activation, else its empty input."""
+    return "empty input" if type(activation) in silu_types else f"activation {type(activation).__name__}"
+
+
 def _build_separate(stock, npu, on_error):
     silu_types = _silu_types()
     cat = torch.cat
+    count_fused, count_stock = counters(on_error)
 
     def forward(self, x):
         if type(self.act_fn) not in silu_types or not x.numel():
+            count_stock(lambda: _stock_rule(self.act_fn, silu_types), x)
             return stock(self, x)
         gate, up = self.gate_proj(x), self.up_proj(x)
         try:
@@ -44,6 +52,7 @@ def _build_separate(stock, npu, on_error):
         except Exception as exc:
             on_error(exc, x)
             return stock(self, x)
+        count_fused()
         return self.down_proj(hidden)
 
     return with_stock_names(forward, stock)
@@ -64,9 +73,11 @@ def _probe_separate(stock, candidate):
 
 def _build_fused(stock, npu, on_error):
     silu_types = _silu_types()
+    count_fused, count_stock = counters(on_error)
 
     def forward(self, hidden_states):
         if type(self.activation_fn) not in silu_types or not hidden_states.numel():
+            count_stock(lambda: _stock_rule(self.activation_fn, silu_types), hidden_states)
             return stock(self, hidden_states)
         gate_up = self.gate_up_proj(hidden_states)
         try:
@@ -74,6 +85,7 @@ def _build_fused(stock, npu, on_error):
         except Exception as exc:
             on_error(exc, hidden_states)
             return stock(self, hidden_states)
+        count_fused()
         return self.down_proj(hidden)
 
     return with_stock_names(forward, stock)

@@ -81,6 +81,7 @@ import types
 import torch
 
 from .._types import Kernel, Variant
+from ._calls import counters
 from ._probe import (
     agree_strict,
     first_disagreement,
@@ -181,10 +182,41 @@ def _stacked(experts, hit, counts):
 
 # --- builds ---------------------------------------------------------------------------
 
+# The decorator flags of a 5.x experts class under which this kernel's math is not the class's.
+_EXPERTS_FLAGS = (
+    ("has_gate", True, "no gate"),
+    ("is_concatenated", True, "gate and up not concatenated"),
+    ("is_transposed", False, "transposed weights"),
+    ("has_bias", False, "biases"),
+    ("has_post_expert_norm", False, "post-expert norm"),
+    ("_is_expert_parallel", False, "expert-parallel"),
+)
+
+
+def _why_stock_experts(experts, tokens, silu_types):
+    """The rule that sent a fused-experts call to the stock code (for its count in status())."""
+    if type(experts.act_fn) not in silu_types:
+        return f"activation {type(experts.act_fn).__name__}"
+    for flag, kernel_takes, why in _EXPERTS_FLAGS:
+        if bool(getattr(experts, flag, kernel_takes)) != kernel_takes:
+            return why
+    return "no tokens" if not tokens else "one expert"
+
+
+def _why_stock_experts_list(activation, tokens, silu_types, hit=()):
+    """The same for a ModuleList of experts: its activation, no tokens, fewer than two experts hit,
+    or a hit expert that is not a gated MLP."""
+    if type(activation) not in silu_types:
+        return f"activation {type(activation).__name__}"
+    if not tokens:
+        return "no tokens"
+    return "one expert hit" if len(hit) < 2 else "an expert not a gated MLP"
+
 
 def _build_experts(stock, npu, on_error):
     silu_types = _silu_types()
     routed_experts = _routed_experts(npu)
+    count_fused, count_stock = counters(on_error)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if (
@@ -198,10 +230,11 @@ def _build_experts(stock, npu, on_error):
             or not hidden_states.shape[0]
             or self.gate_up_proj.shape[0] < 2  # a group list of counts must not have length 1
         ):
+            count_stock(lambda: _why_stock_experts(self, hidden_states.shape[0], silu_types), hidden_states)
             return stock(self, hidden_states, top_k_index, top_k_weights)
         gate_up, down = self.gate_up_proj, self.down_proj
         try:
-            return routed_experts(
+            out = routed_experts(
                 hidden_states,
                 top_k_index,
                 top_k_weights,
@@ -212,6 +245,8 @@ def _build_experts(stock, npu, on_error):
         except Exception as exc:
             on_error(exc, hidden_states, top_k_index, top_k_weights)
             return stock(self, hidden_states, top_k_index, top_k_weights)
+        count_fused()
+        return out
 
     return forward
 
@@ -219,6 +254,7 @@ def _build_experts(stock, npu, on_error):
 def _build_experts_kn(stock, npu, on_error):
     silu_types = _silu_types()
     routed_experts = _routed_experts(npu)
+    count_fused, count_stock = counters(on_error)
 
     def forward(self, hidden_states, routing_weights, router_indices):
         if (
@@ -226,6 +262,7 @@ def _build_experts_kn(stock, npu, on_error):
             or not hidden_states.numel()
             or self.gate_up_proj.shape[0] < 2  # a group list of counts must not have length 1
         ):
+            count_stock(lambda: _why_stock_experts(self, hidden_states.numel(), silu_types), hidden_states)
             return stock(self, hidden_states, routing_weights, router_indices)
         batch_size, hidden_size = hidden_states.shape[0], self.hidden_size
         tokens = hidden_states.reshape(-1, hidden_size)
@@ -237,6 +274,7 @@ def _build_experts_kn(stock, npu, on_error):
         except Exception as exc:
             on_error(exc, hidden_states, routing_weights, router_indices)
             return stock(self, hidden_states, routing_weights, router_indices)
+        count_fused()
         return out.view(batch_size, -1, hidden_size)
 
     return forward
@@ -247,10 +285,13 @@ def _build_sparse_block(shared):
         silu_types = _silu_types()
         routed_experts = _routed_experts(npu)
         softmax, sigmoid, topk, float32 = torch.softmax, torch.sigmoid, torch.topk, torch.float32
+        count_fused, count_stock = counters(on_error)
 
         def forward(self, hidden_states):
             experts = self.experts
             if type(getattr(experts[0], "act_fn", None)) not in silu_types or not hidden_states.numel():
+                activation, tokens = getattr(experts[0], "act_fn", None), hidden_states.numel()
+                count_stock(lambda: _why_stock_experts_list(activation, tokens, silu_types), hidden_states)
                 return stock(self, hidden_states)
             batch_size, sequence_length, hidden_dim = hidden_states.shape
             tokens = hidden_states.view(-1, hidden_dim)
@@ -263,12 +304,15 @@ def _build_sparse_block(shared):
             hit, counts = _hit(experts, selected_experts)
             stacked = _stacked(experts, hit, counts) if len(hit) > 1 else None
             if stacked is None:  # a group list of counts must not have length 1; a non-MLP expert
+                activation = getattr(experts[0], "act_fn", None)
+                count_stock(lambda: _why_stock_experts_list(activation, 1, silu_types, hit), hidden_states)
                 return stock(self, hidden_states)
             try:
                 out = routed_experts(tokens, selected_experts, routing_weights, *stacked)
             except Exception as exc:
                 on_error(exc, hidden_states)
                 return stock(self, hidden_states)
+            count_fused()
             if shared:
                 gate = sigmoid(self.shared_expert_gate(tokens))
                 out = out + gate * self.shared_expert(tokens)
@@ -282,20 +326,27 @@ def _build_sparse_block(shared):
 def _build_moe_method(stock, npu, on_error):
     silu_types = _silu_types()
     routed_experts = _routed_experts(npu)
+    count_fused, count_stock = counters(on_error)
 
     def moe(self, hidden_states, topk_indices, topk_weights):
         experts = self.experts
         if type(getattr(experts[0], "act_fn", None)) not in silu_types or not hidden_states.shape[0]:
+            activation, tokens = getattr(experts[0], "act_fn", None), hidden_states.shape[0]
+            count_stock(lambda: _why_stock_experts_list(activation, tokens, silu_types), hidden_states)
             return stock(self, hidden_states, topk_indices, topk_weights)
         hit, counts = _hit(experts, topk_indices)
         stacked = _stacked(experts, hit, counts) if len(hit) > 1 else None
         if stacked is None:  # a group list of counts must not have length 1; a non-MLP expert
+            activation = getattr(experts[0], "act_fn", None)
+            count_stock(lambda: _why_stock_experts_list(activation, 1, silu_types, hit), hidden_states)
             return stock(self, hidden_states, topk_indices, topk_weights)
         try:
-            return routed_experts(hidden_states, topk_indices, topk_weights, *stacked)
+            out = routed_experts(hidden_states, topk_indices, topk_weights, *stacked)
         except Exception as exc:
             on_error(exc, hidden_states, topk_indices, topk_weights)
             return stock(self, hidden_states, topk_indices, topk_weights)
+        count_fused()
+        return out
 
     return moe
 

@@ -26,6 +26,7 @@ is the llama-style norm times silu(gate) in fp32, cast to the input dtype.
 import torch
 
 from .._types import Kernel, Variant
+from ._calls import counters
 from ._probe import (
     BFLOAT16,
     MIXED_TOLERANCE,
@@ -42,21 +43,25 @@ from ._probe import (
 
 def _build_llama(stock, npu, on_error):
     float32 = torch.float32
+    count_fused, _ = counters(on_error)
 
     def forward(self, hidden_states):
         weight, eps = self.weight, self.variance_epsilon
         try:
             if weight.dtype == hidden_states.dtype:
-                return npu.npu_rms_norm(hidden_states, weight, epsilon=eps)[0]
-            if weight.dtype == float32:
+                out = npu.npu_rms_norm(hidden_states, weight, epsilon=eps)[0]
+            elif weight.dtype == float32:
                 # Mixed precision (bf16/fp16 activations, fp32 weight) is a supported pair; stock
                 # promotes the product to fp32, so we return fp32 too.
-                return npu.npu_rms_norm(hidden_states, weight, epsilon=eps)[0].to(float32)
-            dtype = torch.promote_types(hidden_states.dtype, weight.dtype)
-            return npu.npu_rms_norm(hidden_states.to(dtype), weight.to(dtype), epsilon=eps)[0]
+                out = npu.npu_rms_norm(hidden_states, weight, epsilon=eps)[0].to(float32)
+            else:
+                dtype = torch.promote_types(hidden_states.dtype, weight.dtype)
+                out = npu.npu_rms_norm(hidden_states.to(dtype), weight.to(dtype), epsilon=eps)[0]
         except Exception as exc:
             on_error(exc, hidden_states, weight)
             return stock(self, hidden_states)
+        count_fused()
+        return out
 
     return with_stock_names(forward, stock)
 
@@ -83,27 +88,35 @@ def _probe_llama(stock, candidate):
 
 
 def _build_cast_once(stock, npu, on_error):
+    count_fused, _ = counters(on_error)
+
     def forward(self, hidden_states):
         weight = self.weight
         try:
-            return npu.npu_rms_norm(hidden_states, weight.float(), epsilon=self.variance_epsilon)[0]
+            out = npu.npu_rms_norm(hidden_states, weight.float(), epsilon=self.variance_epsilon)[0]
         except Exception as exc:
             on_error(exc, hidden_states, weight)
             return stock(self, hidden_states)
+        count_fused()
+        return out
 
     return with_stock_names(forward, stock)
 
 
 def _build_zero_centred(stock, npu, on_error):
+    count_fused, _ = counters(on_error)
+
     def forward(self, x):
         # gamma is fp32 whatever the weight dtype: (x dtype, fp32) is a supported pair for every
         # float x, and the product is rounded once, after the multiply, as stock does.
         weight, eps = self.weight, self.eps
         try:
-            return npu.npu_rms_norm(x, 1.0 + weight.float(), epsilon=eps)[0]
+            out = npu.npu_rms_norm(x, 1.0 + weight.float(), epsilon=eps)[0]
         except Exception as exc:
             on_error(exc, x, weight)
             return stock(self, x)
+        count_fused()
+        return out
 
     return with_stock_names(forward, stock)
 
@@ -127,10 +140,13 @@ def _build_gated(stock, npu, on_error):
     float32 = torch.float32
     promote = torch.promote_types
     silu = torch.nn.functional.silu
+    count_fused, count_stock = counters(on_error)
 
     def forward(self, hidden_states, gate):
         # 5.x reads the activation from the instance; 4.57 has no attribute and always uses silu.
-        if getattr(self, "activation", "silu") != "silu":
+        activation = getattr(self, "activation", "silu")
+        if activation != "silu":
+            count_stock(f"activation {activation}", hidden_states)
             return stock(self, hidden_states, gate)
         input_dtype = hidden_states.dtype
         weight, eps = self.weight, self.variance_epsilon
@@ -143,6 +159,7 @@ def _build_gated(stock, npu, on_error):
         except Exception as exc:
             on_error(exc, hidden_states, weight)
             return stock(self, hidden_states, gate)
+        count_fused()
         return (normed * silu(gate.to(float32))).to(input_dtype)
 
     forward.__defaults__ = getattr(stock, "__defaults__", None)  # 4.57 has gate=None, 5.x requires it

@@ -48,9 +48,12 @@ passes it positionally), 5.x does not; see ``_stock_signature``. Where stock pro
 dtype of cos/sin, so does the replacement (npu_rotary_mul would cast cos/sin down to q's dtype).
 """
 
+import functools
+
 import torch
 
 from .._types import Kernel, Variant
+from ._calls import counters
 from ._probe import (
     BFLOAT16,
     MIXED_TOLERANCE,
@@ -81,6 +84,46 @@ _HEAD_DIM_LIMIT = 896
 _BATCH_HEADS_LIMIT = 1000
 
 
+@functools.lru_cache(maxsize=256)  # a model calls with few shapes: formatting the reason costs more
+def _why_stock(qs, cs, unsqueeze_dim, partial=False):
+    """The rule that sent a call (q of shape ``qs``, cos/sin of shape ``cs``) to the stock code, for its
+    count in status(): the checks of the builds below, in their order, named."""
+    if len(qs) != 4 or len(cs) != 3:
+        return f"q {len(qs)}-D, cos {len(cs)}-D (not 4-D / 3-D)"
+    if not 0 < unsqueeze_dim < 3:
+        return f"unsqueeze_dim {unsqueeze_dim}"
+    if cs[1] != qs[3 - unsqueeze_dim]:
+        return f"cos sequence {cs[1]} != q sequence {qs[3 - unsqueeze_dim]}"
+    dim, name = cs[2], "rotary-dim" if partial else "head-dim"
+    if dim > qs[3] or (not partial and dim != qs[3]):
+        return f"cos dim {dim} != head dim {qs[3]}"
+    if dim >= _HEAD_DIM_LIMIT:
+        return f"{name} {dim} > {_HEAD_DIM_LIMIT - 1}"
+    if dim & 1:
+        return f"{name} {dim} odd"
+    if cs[0] != 1 and cs[0] != qs[0]:
+        return f"cos batch {cs[0]} != q batch {qs[0]}"
+    return "empty input"
+
+
+@functools.lru_cache(maxsize=256)
+def _why_stock_vision(qs, cs):
+    """``_why_stock`` of the vision form: q/k [S, N, D] or [B, S, N, D], cos/sin [S, D]."""
+    if len(qs) not in (3, 4) or len(cs) != 2:
+        return f"q {len(qs)}-D, cos {len(cs)}-D (not 3-D or 4-D / 2-D)"
+    if cs[0] != qs[-3]:
+        return f"cos sequence {cs[0]} != q sequence {qs[-3]}"
+    if cs[1] != qs[-1]:
+        return f"cos dim {cs[1]} != head dim {qs[-1]}"
+    if qs[-1] >= _HEAD_DIM_LIMIT:
+        return f"head-dim {qs[-1]} > {_HEAD_DIM_LIMIT - 1}"
+    if qs[-1] & 1:
+        return f"head-dim {qs[-1]} odd"
+    if not qs[-3]:
+        return "empty input"
+    return f"batch x heads {(qs[0] if len(qs) == 4 else 1) * qs[-2]} >= {_BATCH_HEADS_LIMIT}"
+
+
 def _stock_signature(replacement, takes_position_ids):
     """``replacement`` with the stock parameters: one definition serves 4.x and 5.x, with no wrapper.
 
@@ -105,6 +148,7 @@ def _stock_signature(replacement, takes_position_ids):
 def _build_half(stock, npu, on_error):
     takes_position_ids = parameters(stock) == _SIGNATURE_4X
     promote = torch.promote_types
+    count_fused, count_stock = counters(on_error)
 
     def apply_rotary_pos_emb(q, k, cos, sin, fifth=1, sixth=1):
         unsqueeze_dim = sixth if takes_position_ids else fifth
@@ -119,6 +163,7 @@ def _build_half(stock, npu, on_error):
             and (cs[0] == 1 or cs[0] == qs[0])
             and qs[0] * cs[1]
         ):
+            count_stock(lambda qs=qs, cs=cs, dim=unsqueeze_dim: _why_stock(qs, cs, dim), q)
             return stock(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         try:
             xq, xk = q, k
@@ -141,6 +186,7 @@ def _build_half(stock, npu, on_error):
         except Exception as exc:
             on_error(exc, q, k, cos, sin)
             return stock(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        count_fused()
         return oq, ok
 
     return _stock_signature(apply_rotary_pos_emb, takes_position_ids)
@@ -149,6 +195,7 @@ def _build_half(stock, npu, on_error):
 def _build_partial(stock, npu, on_error, mode="half"):
     takes_position_ids = parameters(stock) == _SIGNATURE_4X
     promote = torch.promote_types
+    count_fused, count_stock = counters(on_error)
     cat = torch.cat
     interleave = mode == "interleave"
 
@@ -166,6 +213,7 @@ def _build_partial(stock, npu, on_error, mode="half"):
             and (cs[0] == 1 or cs[0] == qs[0])
             and qs[0] * cs[1] * cs[2]
         ):
+            count_stock(lambda qs=qs, cs=cs, dim=unsqueeze_dim: _why_stock(qs, cs, dim, partial=True), q)
             return stock(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         try:
             c, s = cos, sin
@@ -195,6 +243,7 @@ def _build_partial(stock, npu, on_error, mode="half"):
         except Exception as exc:
             on_error(exc, q, k, cos, sin)
             return stock(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        count_fused()
         return oq, ok
 
     return _stock_signature(apply_rotary_pos_emb, takes_position_ids)
@@ -206,6 +255,7 @@ def _build_interleave(stock, npu, on_error):
 
 def _build_deinterleave(stock, npu, on_error):
     promote = torch.promote_types
+    count_fused, count_stock = counters(on_error)
 
     def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         qs, cs = q.shape, cos.shape
@@ -219,6 +269,7 @@ def _build_deinterleave(stock, npu, on_error):
             and (cs[0] == 1 or cs[0] == qs[0])
             and qs[0] * cs[1]
         ):
+            count_stock(lambda: _why_stock(qs, cs, unsqueeze_dim), q)
             return stock(q, k, cos, sin, position_ids, unsqueeze_dim)
         try:
             xq, xk = q, k
@@ -244,6 +295,7 @@ def _build_deinterleave(stock, npu, on_error):
         except Exception as exc:
             on_error(exc, q, k, cos, sin)
             return stock(q, k, cos, sin, position_ids, unsqueeze_dim)
+        count_fused()
         return oq, ok
 
     return apply_rotary_pos_emb_interleave
@@ -251,6 +303,7 @@ def _build_deinterleave(stock, npu, on_error):
 
 def _build_mrope(stock, npu, on_error):
     promote = torch.promote_types
+    count_fused, count_stock = counters(on_error)
     cat = torch.cat
 
     def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
@@ -269,6 +322,7 @@ def _build_mrope(stock, npu, on_error):
             and (cs[0] == 1 or cs[0] == qs[0])
             and qs[0] * cs[1]
         ):
+            count_stock(lambda: _why_stock(qs, cs, unsqueeze_dim), q)
             return stock(q, k, cos, sin, mrope_section, unsqueeze_dim)
         try:
             xq, xk = q, k
@@ -291,6 +345,7 @@ def _build_mrope(stock, npu, on_error):
         except Exception as exc:
             on_error(exc, q, k, cos, sin)
             return stock(q, k, cos, sin, mrope_section, unsqueeze_dim)
+        count_fused()
         return oq, ok
 
     return apply_multimodal_rotary_pos_emb
@@ -298,6 +353,7 @@ def _build_mrope(stock, npu, on_error):
 
 def _build_vision(stock, npu, on_error):
     float32 = torch.float32
+    count_fused, count_stock = counters(on_error)
 
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
         qs, cs = q.shape, cos.shape
@@ -312,6 +368,7 @@ def _build_vision(stock, npu, on_error):
             and qs[-3]
             and (qs[0] if batched else 1) * qs[-2] < _BATCH_HEADS_LIMIT
         ):
+            count_stock(lambda: _why_stock_vision(qs, cs), q)
             return stock(q, k, cos, sin)
         try:
             # Layout A: q/k [B, S, N, D] (B = 1 for 3-D q), cos [1, S, 1, D]; in fp32, as stock computes.
@@ -322,6 +379,7 @@ def _build_vision(stock, npu, on_error):
         except Exception as exc:
             on_error(exc, q, k, cos, sin)
             return stock(q, k, cos, sin)
+        count_fused()
         return (oq, ok) if batched else (oq[0], ok[0])
 
     return apply_rotary_pos_emb_vision

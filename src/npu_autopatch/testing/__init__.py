@@ -54,9 +54,10 @@ def _make_npu_submodule(available: bool, profile: Profile) -> types.ModuleType:
         return count
 
     def get_device_name(i: int = 0) -> str:
+        # torch_npu returns the SoC name, aclrtGetSocName() (its Module.cpp GetDeviceName).
         if not 0 <= i < count:
             raise RuntimeError(f"Invalid device id {i}: the torch_npu stand-in has {count} device(s)")
-        return f"{_DEVICE_NAME}: {profile.describe()}"
+        return profile.soc
 
     npu.is_available, npu.device_count, npu.get_device_name = is_available, device_count, get_device_name
     # What trainers call on torch.npu around a run whose tensors stay on the CPU (accelerate's
@@ -97,7 +98,7 @@ def make_torch_npu(
     if unknown:
         raise ValueError(f"missing= names ops the stand-in's {chosen.name} profile does not have: {unknown}")
     registration = _library.registration(chosen)
-    module = types.ModuleType("torch_npu", f"CPU stand-in for torch_npu: {chosen.describe()}.")
+    module = types.ModuleType("torch_npu", f"{_DEVICE_NAME}: {chosen.describe()}.")
     module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     module.__version__ = chosen.torch_npu
     module.version = types.SimpleNamespace(__version__=chosen.torch_npu, cann=chosen.cann)

@@ -76,6 +76,9 @@ def environment(npu, device: str, simulated: bool) -> dict:
             return None
 
     npu_version = getattr(npu, "version", None)
+    device_name = npu.npu.get_device_name(0) if device == "npu" or simulated else platform.processor()
+    if simulated:  # the SoC name the stand-in answers, and the release and device it models
+        device_name = f"{device_name}; {npu.__doc__.rstrip('.')}"
     return {
         "python": platform.python_version(),
         "torch": version("torch"),
@@ -83,7 +86,7 @@ def environment(npu, device: str, simulated: bool) -> dict:
         "torch_npu": getattr(npu, "__version__", None) if simulated else version("torch_npu"),
         "cann": getattr(npu_version, "cann", None),
         "device": device,
-        "device_name": npu.npu.get_device_name(0) if device == "npu" or simulated else platform.processor(),
+        "device_name": device_name,
         "simulated": simulated,
     }
 

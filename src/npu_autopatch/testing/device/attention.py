@@ -499,7 +499,9 @@ def fusion_attention(
     )
     _fa_check_sink(name, sink, geo.heads)
     numels = _fa_numels(geo, head_num, actual_seq_qlen, actual_seq_kvlen)
-    out, row_max, row_sum = _fa_forward(geo, keep, float(scale), query, key, value, pse, sink)
+    # The 950's forward never hands the sink to the kernel (profiles.Profile.forward_sink).
+    kept_sink = sink if profile.forward_sink else None
+    out, row_max, row_sum = _fa_forward(geo, keep, float(scale), query, key, value, pse, kept_sink)
     return (
         _fa_to_layout(out, geo, query.dtype),
         _fa_pack_stats(row_max, geo, softmax_layout),

@@ -9,10 +9,18 @@ repositories Ascend/op-plugin (one branch per release line), Ascend/pytorch (tor
 ``COMPATIBILITY.en.md`` pairs each release with its op-plugin branch and CANN) and
 hicann/ops-transformer (the CANN kernels and their host-side tiling).
 
-Chip: every profile is an Atlas A2 training device (Ascend 910B, the aclnn path of
-``RotaryMulKernelNpuOpApi.cpp``), taken with 48 vector cores: the block rule of the rotary
-kernel refuses more shapes the more cores there are, so this is the strictest A2 part. Atlas
-training series (910A), 310P and Ascend 950 are not modelled (docs/device-rules.md: unknowns).
+Chip: the ``a2-*`` profiles are an Atlas A2 training device (Ascend 910B, the aclnn path of
+``RotaryMulKernelNpuOpApi.cpp``), taken with 48 vector cores (Ascend910B1): the block rule of the
+rotary kernel refuses more shapes the more cores there are, so this is the strictest A2 part.
+``950-newest`` is the newest torch_npu on an Ascend 950, modelled for one rule only: its
+npu_fusion_attention forward passes no sink to the kernel while its backward does (below). Every
+other rule of the 950 is the A2's here, which is not known to hold (docs/device-rules.md:
+unknowns). Atlas training series (910A) and 310P are not modelled.
+
+The device family is what ``torch.npu.get_device_name()`` returns on the device: the SoC name,
+``aclrtGetSocName()`` (Ascend/pytorch torch_npu/csrc/npu/Module.cpp ``GetDeviceName``), e.g.
+"Ascend910B1"; torch_npu itself counts every name that starts with "Ascend950" as the 950
+(torch_npu/csrc/core/npu/NpuVariables.cpp ``SetSocVersion``), so the 950 profile answers "Ascend950".
 """
 
 from __future__ import annotations
@@ -189,7 +197,7 @@ _V71_AUTOGRAD = {name: grad for name, grad in _V72_AUTOGRAD.items() if not name.
 
 @dataclass(frozen=True)
 class Profile:
-    """One torch_npu release line on an Atlas A2 device, as the stand-in models it."""
+    """One torch_npu release line on one device, as the stand-in models it."""
 
     name: str  # also the torch.library namespace suffix of its ops
     torch_npu: str  # what torch_npu.__version__ reports
@@ -197,6 +205,14 @@ class Profile:
     cann: str  # the CANN release COMPATIBILITY.en.md pairs it with
     schemas: dict[str, str] = field(repr=False)
     autograd: dict[str, str] = field(repr=False)
+    device: str = "Atlas A2"  # the product, for a reader
+    soc: str = "Ascend910B1"  # what torch.npu.get_device_name() returns (aclrtGetSocName)
+    # Whether npu_fusion_attention's forward hands ``sink`` to the kernel. op-plugin 26.0.0, 26.1.0 and
+    # master, FlashAttentionKernelNpuOpApi.cpp: on Ascend 950 (``GetSocVersion() >= Ascend950``) the
+    # forward calls aclnnFlashAttentionScoreV4 with no sink among its arguments (master ~1570-1585),
+    # while the backward passes it to aclnnFlashAttentionScoreGradV4 (~1206-1224): the output ignores
+    # the sinks, their gradient is computed as if it had not.
+    forward_sink: bool = True
     # npu_grouped_matmul's accepted group_type values (GroupedMatmulKernelNpuOpApi.cpp of the branch).
     gmm_group_types: frozenset[int] = frozenset({-1, 0, 2})
     # Whether the K-split (group_type 2) writes zeros for a group with no rows. ops-transformer's
@@ -210,7 +226,7 @@ class Profile:
         return "npu_standin_" + self.name.replace("-", "_").replace(".", "_")
 
     def describe(self) -> str:
-        return f"torch_npu {self.torch_npu} (op-plugin {self.op_plugin}, CANN {self.cann}) on Atlas A2"
+        return f"torch_npu {self.torch_npu} (op-plugin {self.op_plugin}, CANN {self.cann}) on {self.device}"
 
 
 NEWEST = Profile(
@@ -247,5 +263,17 @@ V2_6_0 = Profile(
     gmm_zero_fills_empty_groups=False,
 )
 
-PROFILES: dict[str, Profile] = {p.name: p for p in (NEWEST, V2_7_1, V2_6_0)}
+ASCEND_950 = Profile(
+    name="950-newest",
+    torch_npu=NEWEST.torch_npu,
+    op_plugin=NEWEST.op_plugin,
+    cann=NEWEST.cann,
+    schemas=_NEWEST_SCHEMAS,
+    autograd=_NEWEST_AUTOGRAD,
+    device="Ascend 950",
+    soc="Ascend950",
+    forward_sink=False,
+)
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (NEWEST, V2_7_1, V2_6_0, ASCEND_950)}
 DEFAULT = NEWEST

@@ -108,6 +108,28 @@ def test_the_mostly_stock_report_needs_twenty_calls_and_more_than_a_tenth_stock(
     assert calls.as_dict() == {"fused": 18, "stock": {"eval": 3, "no_grad": 1}}
 
 
+def test_an_evaluation_loop_with_the_loss_switch_is_counted_but_not_warned_about(npu_stand_in, caplog):
+    """eval and no_grad are the caller's choices (routine); autocast means no training step got the
+    chunked loss: only that is the mostly-stock WARNING's business."""
+    npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
+    model = tiny.tiny_model("qwen3")
+    ids = torch.randint(1, 50, (2, 6))
+    target = f"{QWEN3}:Qwen3ForCausalLM.forward"
+    model.eval()
+    with caplog.at_level(logging.WARNING, logger="npu_autopatch"), torch.no_grad():
+        for _ in range(25):
+            model(input_ids=ids, labels=ids)
+    assert npu_autopatch.status()["qwen3"].calls[target] == {"fused": 0, "stock": {"eval": 25}}
+    assert not [r for r in caplog.records if "calls ran the stock code" in r.getMessage()]
+    model.train()
+    with caplog.at_level(logging.WARNING, logger="npu_autopatch"):
+        for _ in range(25):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(input_ids=ids, labels=ids)
+    told = [r.getMessage() for r in caplog.records if "calls ran the stock code" in r.getMessage()]
+    assert len(told) == 1 and target in told[0] and "autocast" in told[0], told
+
+
 def test_a_fused_op_that_raises_is_counted_op_failed(npu_stand_in, monkeypatch):
     npu_autopatch.enable(models=["qwen3"], kernels=["rms_norm"])
     model = tiny.tiny_model("qwen3")

@@ -196,9 +196,11 @@ def test_the_loss_kernel_under_autocast_takes_the_stock_forward_and_loss():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = model(input_ids=ids, labels=ids)
             out.loss.backward()
+            calls = npu_autopatch.status()["qwen3"].calls
         finally:
             npu_autopatch.disable()
     assert out.logits is not None  # the stock head ran: autocast is one of the loss kernel's stock rules
+    assert {"fused": 0, "stock": {"autocast": 1}} in calls.values(), calls  # and status() says why
     torch.testing.assert_close(out.loss, stock.loss)
     # labels that do not fit the logits: stock's own error, not ours
     with pytest.raises(ValueError), stand_in():

@@ -44,7 +44,9 @@ class Calls:
     replacement at once may lose an increment (the counts are read by people, never used for a
     decision). ``mostly_stock(calls, reason, tensors)``, when given, is called once, from the stock
     call that makes more than 1 in ``MOSTLY_STOCK_SHARE`` of at least ``MOSTLY_STOCK_CALLS`` calls
-    stock; it must not raise.
+    stock; it must not raise. A routine reason (the caller's own choice, such as the loss kernel's
+    ``eval``: the kernel declares which) is counted in ``stock`` but neither in ``stocked`` nor
+    towards that warning: an evaluation loop is not a kernel the device refused.
     """
 
     __slots__ = ("fused", "mostly_stock", "stock", "stocked")
@@ -52,15 +54,18 @@ class Calls:
     def __init__(self, mostly_stock=None):
         self.fused = 0
         self.stock = {}
-        self.stocked = 0  # the sum of ``stock``
+        self.stocked = 0  # the sum of ``stock`` but for its routine reasons
         self.mostly_stock = mostly_stock
 
-    def went_stock(self, reason, tensors=()):
-        """Count one call the replacement sent to the stock code, and why (``tensors``: its inputs)."""
+    def went_stock(self, reason, tensors=(), routine=()):
+        """Count one call the replacement sent to the stock code, and why (``tensors``: its inputs;
+        ``routine``: the reasons that are the caller's own choice, never warned about)."""
         if callable(reason):
             reason = reason()
         stock = self.stock
         stock[reason] = stock.get(reason, 0) + 1
+        if reason in routine:
+            return
         self.stocked = stocked = self.stocked + 1
         if self.mostly_stock is not None:
             calls = stocked + self.fused

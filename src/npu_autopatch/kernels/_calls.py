@@ -12,13 +12,16 @@ import torch
 from .._types import Calls
 
 
-def counters(on_error):
+def counters(on_error, routine=()):
     """(fused(), stock(reason, *tensors)) of the replacement that gets ``on_error``.
 
     ``reason`` is a short rule (``"eval"``) or a function returning one, called only here, so that
     a reason built from shapes costs nothing on the fused path; ``tensors`` are the call's inputs,
-    whose shapes the mostly-stock WARNING names (formatted only if it fires).
+    whose shapes the mostly-stock WARNING names (formatted only if it fires). ``routine``: the
+    kernel's reasons that are the caller's own choice (``eval``, ``no labels``): counted, and never
+    the cause of that WARNING.
     """
+    routine = frozenset(routine)
     calls = getattr(on_error, "calls", None)
     if not isinstance(calls, Calls):
         calls = Calls()
@@ -30,6 +33,6 @@ def counters(on_error):
 
     def stock(reason, *tensors):
         if not compiling():
-            calls.went_stock(reason, tensors)
+            calls.went_stock(reason, tensors, routine)
 
     return fused, stock

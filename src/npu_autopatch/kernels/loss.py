@@ -73,6 +73,12 @@ def _stock_loss_function():
     return LOSS_MAPPING["ForCausalLM"]
 
 
+# The stock rules that are the caller's choice (evaluation, inference, a loss of their own): counted,
+# never warned about. The others (autocast, a wrapped head) mean the kernel could not serve a training
+# step, which the mostly-stock WARNING says.
+_ROUTINE = ("no labels", "return_dict=False", "eval", "no_grad", "own loss_function")
+
+
 def _why_stock(model, labels, return_dict, head):
     """The rule that sent a forward to the stock loss (for its count in status())."""
     if labels is None:
@@ -85,19 +91,19 @@ def _why_stock(model, labels, return_dict, head):
         return "no_grad"
     if _head_differs(head) is not None:
         return "lm_head not a plain nn.Linear"
+    if torch.is_autocast_enabled(head.weight.device.type):
+        return "autocast"
     return "own loss_function"
 
 
 def _why_unchunked(hidden, head):
     """Why the loss of a forward that kept its hidden states was the stock head's."""
-    if hidden is None:
-        return "lm_head not called once"
-    return "autocast" if hidden.dtype == head.weight.dtype else "lm_head dtype differs"
+    return "lm_head not called once" if hidden is None else "lm_head dtype differs"
 
 
 def _build(stock, npu, on_error):
     causal_lm_loss = _stock_loss_function()
-    count_fused, count_stock = counters(on_error)
+    count_fused, count_stock = counters(on_error, routine=_ROUTINE)
 
     @functools.wraps(stock)
     def forward(self, *args, **kwargs):

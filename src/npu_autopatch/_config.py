@@ -8,7 +8,8 @@ Bad values passed to enable() raise ValueError, because that is a bug in the cal
 import os
 
 from ._state import STATE
-from ._types import KERNEL_NAMES, OPT_IN_KERNELS
+from ._types import BUILTIN_KERNELS
+from .kernels._catalog import SWITCHES
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -20,10 +21,16 @@ ENV_KERNELS = "NPU_AUTOPATCH_KERNELS"
 ENV_STRICT = "NPU_AUTOPATCH_STRICT"
 ENV_LOG_ALL_RANKS = "NPU_AUTOPATCH_LOG_ALL_RANKS"
 ENV_DISCOVER = "NPU_AUTOPATCH_DISCOVER"
-ENV_LOSS = "NPU_AUTOPATCH_LOSS"
 
-# The kernels ``kernels=`` / NPU_AUTOPATCH_KERNELS select among; the opt-in ones have their own switch.
-SELECTABLE_KERNELS = tuple(k for k in KERNEL_NAMES if k not in OPT_IN_KERNELS)
+# The kernels ``kernels=`` / NPU_AUTOPATCH_KERNELS select among; an opt-in kernel (kernels/_catalog)
+# has its own switch instead: ``enable(<switch>=True)`` or ``NPU_AUTOPATCH_<SWITCH>=1``.
+SELECTABLE_KERNELS = tuple(k for k in BUILTIN_KERNELS if k not in SWITCHES)
+
+
+def switch_variable(switch):
+    """The environment variable of an opt-in kernel's switch: ``NPU_AUTOPATCH_<SWITCH>``."""
+    return f"{ENV_SWITCH}_{switch.upper()}"
+
 
 # Long or hostile values are echoed back shortened, never evaluated; a long list of unknown
 # names is echoed in part, so that the warning stays one readable line.
@@ -94,26 +101,34 @@ def _arg_names(value, valid, what, argname):
 
 class Config:
     """The resolved selection: which models and kernels, strict or not, forced or not, whether
-    modeling modules outside the registry are discovered, and whether the loss kernel is on."""
+    modeling modules outside the registry are discovered, and which opt-in kernels are switched on."""
 
-    __slots__ = ("discover", "exclude", "force", "kernels", "loss", "models", "strict")
+    __slots__ = ("discover", "exclude", "force", "kernels", "models", "opted_in", "strict")
 
-    def __init__(self, models, exclude, kernels, strict, force, discover=False, loss=False):
+    def __init__(self, models, exclude, kernels, strict, force, discover=False, opted_in=frozenset()):
         self.models = models  # frozenset, or None for every supported model
         self.exclude = exclude  # frozenset
         self.kernels = kernels  # frozenset, or None for every kernel
         self.strict = strict
         self.force = force
         self.discover = discover
-        self.loss = loss
+        self.opted_in = frozenset(opted_in)  # the opt-in kernels whose switch is on
 
     def _key(self):
-        return (self.models, self.exclude, self.kernels, self.strict, self.force, self.discover, self.loss)
+        return (
+            self.models,
+            self.exclude,
+            self.kernels,
+            self.strict,
+            self.force,
+            self.discover,
+            self.opted_in,
+        )
 
     def selects(self, kernel_name):
         """Whether targets of this kernel are patched: an opt-in kernel only with its switch on."""
-        if kernel_name in OPT_IN_KERNELS:
-            return self.loss
+        if kernel_name in SWITCHES:
+            return kernel_name in self.opted_in
         return self.kernels is None or kernel_name in self.kernels
 
     def __eq__(self, other):
@@ -142,10 +157,10 @@ class Config:
 
         # Off: the repr users already know.
         discover = ", discover=True" if self.discover else ""
-        loss = ", loss=True" if self.loss else ""
+        switches = "".join(f", {SWITCHES[k]}=True" for k in SWITCHES if k in self.opted_in)
         return (
             f"Config(models={show(self.models)}, exclude={show(self.exclude)}, "
-            f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force}{discover}{loss})"
+            f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force}{discover}{switches})"
         )
 
 
@@ -164,14 +179,35 @@ def discover_wanted(discover, warn, environ=None):
     return bool(discover) if discover is not None else env_flag(ENV_DISCOVER, warn, environ)
 
 
+def opted_in(switches, warn, environ=None):
+    """The opt-in kernels switched on: ``enable(<switch>=...)`` if given, else NPU_AUTOPATCH_<SWITCH>
+    (off when unset). A switch no kernel declares raises TypeError, as an unknown keyword would."""
+    environ = os.environ if environ is None else environ
+    known = {switch: kernel for kernel, switch in SWITCHES.items()}
+    unknown = sorted(set(switches) - set(known))
+    if unknown:
+        raise TypeError(
+            f"enable() got an unexpected keyword argument {unknown[0]!r} "
+            f"(opt-in kernel switches: {', '.join(known) or 'none'})"
+        )
+    on = set()
+    for switch, kernel in known.items():
+        value = switches.get(switch)
+        if value is None:
+            value = env_flag(switch_variable(switch), warn, environ)
+        if value:
+            on.add(kernel)
+    return frozenset(on)
+
+
 def resolve(
-    models, exclude, kernels, strict, force, warn, valid_models, environ=None, discover=False, loss=None
+    models, exclude, kernels, strict, force, warn, valid_models, environ=None, discover=False, **switches
 ):
     """Arguments override the environment; the environment overrides the defaults.
 
     ``discover``: the already resolved discover_wanted(); ``valid_models`` then includes the
     installed modeling modules' names that the caller found (see _discover.installed).
-    ``loss``: enable(loss=...), else NPU_AUTOPATCH_LOSS (off when unset).
+    ``switches``: the opt-in kernels' switches given to enable() (``loss=True``), see opted_in().
     """
     environ = os.environ if environ is None else environ
     valid_models = tuple(valid_models)
@@ -186,6 +222,5 @@ def resolve(
         kernel_set = _env_names(environ, ENV_KERNELS, SELECTABLE_KERNELS, "kernels", warn)
     if strict is None:
         strict = env_flag(ENV_STRICT, warn, environ)
-    if loss is None:
-        loss = env_flag(ENV_LOSS, warn, environ)
-    return Config(model_set, exclude_set, kernel_set, bool(strict), bool(force), discover, bool(loss))
+    chosen = opted_in(switches, warn, environ)
+    return Config(model_set, exclude_set, kernel_set, bool(strict), bool(force), discover, chosen)

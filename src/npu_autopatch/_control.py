@@ -72,15 +72,15 @@ def enable(
     strict: bool | None = None,
     force: bool = False,
     discover: bool | None = None,
-    loss: bool | None = None,
+    **switches: bool | None,
 ) -> None:
     """Patch every selected model as soon as (or if already) its modeling module is imported.
 
     ``discover=True`` also patches the modeling modules no registered model covers, from the
-    candidates the kernels' probes accept (see _discover). ``loss=True`` adds the chunked loss
-    kernel (kernels/loss.py): opt-in, since a forward training with labels then returns
-    ``logits=None``. Arguments override
-    NPU_AUTOPATCH_MODELS / _EXCLUDE / _KERNELS / _STRICT / _DISCOVER / _LOSS. Calling it
+    candidates the kernels' probes accept (see _discover). An opt-in kernel's switch turns it on
+    (``loss=True``: the chunked loss kernel, kernels/loss.py, opt-in since a forward training with
+    labels then returns ``logits=None``); an unknown keyword raises TypeError. Arguments override
+    NPU_AUTOPATCH_MODELS / _EXCLUDE / _KERNELS / _STRICT / _DISCOVER / _<SWITCH>. Calling it
     again with the same selection does nothing; with another selection, the models patched
     so far are reverted and the new selection is applied. Imports none of torch,
     transformers or torch_npu unless a modeling module is already imported. In strict mode
@@ -100,7 +100,7 @@ def enable(
 
             valid += sorted(_discover.installed(unknown))
         config = _config.resolve(
-            models, exclude, kernels, strict, force, _log.warning, valid, discover=discover, loss=loss
+            models, exclude, kernels, strict, force, _log.warning, valid, discover=discover, **switches
         )
     _apply(config)
 

@@ -31,7 +31,7 @@ from . import _device, _experts, _ledger, _log, _resolve
 from ._failures import is_op_failure
 from ._records import PatchError, PatchRecord, ReasonCode, State, TargetReason
 from ._state import STATE, locked
-from ._types import KERNEL_NAMES, Calls, Kernel
+from ._types import BUILTIN_KERNELS, Calls, Kernel
 from .kernels import KERNELS, choose_variant
 
 
@@ -179,7 +179,7 @@ def _applied_record(model, stock):
     latest = {key for _path, key in STATE.placed[model.model_type][1]}
     mine = [s for s in slots if s.kernel is not None and (id(s.owner), s.attr) in latest]
     used = {s.kernel for s in mine}
-    kernels = tuple(k for k in (*KERNEL_NAMES, *sorted(used - set(KERNEL_NAMES))) if k in used)
+    kernels = tuple(k for k in (*BUILTIN_KERNELS, *sorted(used - set(BUILTIN_KERNELS))) if k in used)
     return PatchRecord(
         model.model_type,
         model.module,

@@ -31,11 +31,11 @@ import functools
 import sys
 from dataclasses import dataclass, field
 
-from . import _candidates, _control, _experts, _resolve
+from . import _candidates, _config, _control, _experts, _resolve
 from ._records import PatchRecord, ReasonCode, State, describe_calls
 from ._state import STATE, locked
 from ._table import columns
-from ._types import OPT_IN_KERNELS
+from .kernels._catalog import SWITCHES
 
 OURS, STOCK, FOREIGN = "ours", "stock", "foreign"
 # Modules whose classes are library code, not the user's own (whose rotary functions are listed too).
@@ -345,11 +345,11 @@ def _reason_for(where, module, records):
         if target is None:
             return None, f"{rec.model} is {rec.state.value}, but this is not one of its targets"
         config = STATE.config
-        opt_in = target.kernel_name in OPT_IN_KERNELS
-        if config is not None and opt_in and not config.selects(target.kernel_name):
+        switch = SWITCHES.get(target.kernel_name)
+        if config is not None and switch is not None and not config.selects(target.kernel_name):
             return ReasonCode.NO_KERNEL_SELECTED, (
-                f"the {target.kernel_name} kernel is opt-in: enable({target.kernel_name}=True) or "
-                f"NPU_AUTOPATCH_{target.kernel_name.upper()}=1"
+                f"the {target.kernel_name} kernel is opt-in: enable({switch}=True) or "
+                f"{_config.switch_variable(switch)}=1"
             )
         kernels = config.kernels if config is not None else None
         if kernels is not None and not config.selects(target.kernel_name):

@@ -4,21 +4,7 @@ Pure data, importable at interpreter start (no torch, no typing, no dataclasses)
 table (models.py), plugins and register() all declare models with these.
 """
 
-# The built-in kernels, in the order they are reported. The kernels package implements them.
-KERNEL_NAMES = (
-    "rms_norm",
-    "gated_rms_norm",
-    "swiglu",
-    "rope",
-    "moe",
-    "attention",
-    "gated_delta_rule",
-    "loss",
-)
-# Kernels that change what a forward returns (the loss kernel's ``logits=None``): never on by
-# default nor through ``kernels=``; each has its own switch (enable(loss=True), NPU_AUTOPATCH_LOSS).
-OPT_IN_KERNELS = ("loss",)
-
+from .kernels._catalog import NAMES as BUILTIN_KERNELS  # torch-free: the kernels' names, in report order
 
 # A target's calls "mostly go stock" (Calls' one-time report) once more than 1 in
 # MOSTLY_STOCK_SHARE of at least MOSTLY_STOCK_CALLS calls ran the stock code.
@@ -85,15 +71,20 @@ class Variant:
     agree, else why not. ``probe=None`` trusts the variant without checking (for a
     plugin's own kernel; the parity test is then the only proof). ``requires(npu)``, when
     given, returns None if the installed torch_npu can run this variant, else why not.
+
+    ``probe_live()``, when given, returns True when a shipped verdict cannot speak for this
+    variant here: its probe depends on an optional package our CI lacks (the gated delta rule's
+    ``fla`` variant) and that package is installed, so the targets are probed live.
     """
 
-    __slots__ = ("build", "name", "probe", "requires")
+    __slots__ = ("build", "name", "probe", "probe_live", "requires")
 
-    def __init__(self, name, build, probe=None, requires=None):
+    def __init__(self, name, build, probe=None, requires=None, probe_live=None):
         self.name = name
         self.build = build
         self.probe = probe
         self.requires = requires
+        self.probe_live = probe_live
 
 
 class Kernel:
@@ -113,17 +104,23 @@ class Kernel:
     put back, under the package lock: for a kernel whose targets someone else caches (transformers
     keeps the flash-attention functions it loaded), it points that cache at what the target holds
     now. It must be quick and must not raise.
+
+    ``switch``, when given, makes the kernel opt-in (it changes what a forward returns, as the loss
+    kernel's ``logits=None``): never on by default nor through ``kernels=``, only through
+    ``enable(<switch>=True)`` or ``NPU_AUTOPATCH_<SWITCH>=1``. A built-in kernel's switch is also
+    written in ``kernels/_catalog.py``, where interpreter start reads it without torch.
     """
 
-    __slots__ = ("fallback", "name", "ops", "refresh", "requires", "variants")
+    __slots__ = ("fallback", "name", "ops", "refresh", "requires", "switch", "variants")
 
-    def __init__(self, name, ops, variants, requires=None, fallback=None, refresh=None):
+    def __init__(self, name, ops, variants, requires=None, fallback=None, refresh=None, switch=None):
         self.name = name
         self.ops = tuple(ops)
         self.variants = tuple(variants)
         self.requires = requires
         self.fallback = fallback
         self.refresh = refresh
+        self.switch = switch
 
 
 class Target:
@@ -137,8 +134,8 @@ class Target:
     __slots__ = ("kernel", "paths", "since")
 
     def __init__(self, kernel, *paths, since=None):
-        if not isinstance(kernel, Kernel) and kernel not in KERNEL_NAMES:
-            raise ValueError(f"unknown kernel {kernel!r}; built in: {', '.join(KERNEL_NAMES)}")
+        if not isinstance(kernel, Kernel) and kernel not in BUILTIN_KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; built in: {', '.join(BUILTIN_KERNELS)}")
         if not paths:
             raise ValueError("a Target needs at least one path, e.g. 'MyModelRMSNorm.forward'")
         self.kernel = kernel
@@ -183,7 +180,7 @@ class Model:
     @property
     def kernels(self):
         names = [t.kernel_name for t in self.targets]
-        return tuple(sorted(set(names), key=lambda n: (KERNEL_NAMES + tuple(names)).index(n)))
+        return tuple(sorted(set(names), key=lambda n: (BUILTIN_KERNELS + tuple(names)).index(n)))
 
     def __repr__(self):
         return f"Model({self.model_type!r}, {len(self.targets)} targets)"

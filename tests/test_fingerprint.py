@@ -150,7 +150,7 @@ def shipped_refusals():
                 continue
             found = _resolve.resolve(module, [qualname])
             if found is not None:
-                yield KERNELS[kernel], print_, _resolve.stock_function(found[3]) or found[3]
+                yield KERNELS[kernel], print_, _resolve.stock_function(found.current) or found.current
 
 
 def test_a_shipped_refusal_is_the_live_one_word_for_word(monkeypatch):

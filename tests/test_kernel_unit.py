@@ -65,7 +65,6 @@ def declared():
 # 26). Listed, never skipped: the test fails both when another module names a kernel and when a
 # module listed here no longer does (then its line goes).
 NOT_YET_MOVED = {
-    "_candidates.py": "the candidate patterns and which kernels judge them",
     "_experts.py": "the MoE kernel's experts-registry install",
     "_report.py": "the swiglu, moe, attention and loss parts of report(model)",
 }

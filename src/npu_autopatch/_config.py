@@ -105,6 +105,8 @@ class Config:
 
     __slots__ = ("discover", "exclude", "force", "kernels", "models", "opted_in", "strict")
 
+    # ``opted_in``: the switches on (``"loss"``), of the built-in kernels and the registered models'.
+
     def __init__(self, models, exclude, kernels, strict, force, discover=False, opted_in=frozenset()):
         self.models = models  # frozenset, or None for every supported model
         self.exclude = exclude  # frozenset
@@ -112,7 +114,7 @@ class Config:
         self.strict = strict
         self.force = force
         self.discover = discover
-        self.opted_in = frozenset(opted_in)  # the opt-in kernels whose switch is on
+        self.opted_in = frozenset(opted_in)  # the opt-in kernels' switches that are on
 
     def _key(self):
         return (
@@ -125,11 +127,14 @@ class Config:
             self.opted_in,
         )
 
-    def selects(self, kernel_name):
-        """Whether targets of this kernel are patched: an opt-in kernel only with its switch on."""
-        if kernel_name in SWITCHES:
-            return kernel_name in self.opted_in
-        return self.kernels is None or kernel_name in self.kernels
+    def selects(self, kernel):
+        """Whether targets of this kernel (a built-in name or a Kernel) are patched: an opt-in kernel
+        only with its switch on."""
+        name = getattr(kernel, "name", kernel)
+        switch = getattr(kernel, "switch", None) or SWITCHES.get(name)
+        if switch is not None:
+            return switch in self.opted_in
+        return self.kernels is None or name in self.kernels
 
     def __eq__(self, other):
         return isinstance(other, Config) and self._key() == other._key()
@@ -157,7 +162,7 @@ class Config:
 
         # Off: the repr users already know.
         discover = ", discover=True" if self.discover else ""
-        switches = "".join(f", {SWITCHES[k]}=True" for k in SWITCHES if k in self.opted_in)
+        switches = "".join(f", {switch}=True" for switch in sorted(self.opted_in))
         return (
             f"Config(models={show(self.models)}, exclude={show(self.exclude)}, "
             f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force}{discover}{switches})"
@@ -179,11 +184,24 @@ def discover_wanted(discover, warn, environ=None):
     return bool(discover) if discover is not None else env_flag(ENV_DISCOVER, warn, environ)
 
 
+def declared_switches():
+    """{switch: kernel name} of every opt-in kernel: the built-in ones (kernels/_catalog), then the
+    Kernels the registered models name (a plugin's, register()'s)."""
+    declared = {switch: kernel for kernel, switch in SWITCHES.items()}
+    for model in list(STATE.models.values()):
+        for target in model.targets:
+            switch = getattr(target.kernel, "switch", None)  # a Kernel's; a built-in name has none
+            if switch is not None:
+                declared.setdefault(switch, target.kernel.name)
+    return declared
+
+
 def opted_in(switches, warn, environ=None):
-    """The opt-in kernels switched on: ``enable(<switch>=...)`` if given, else NPU_AUTOPATCH_<SWITCH>
-    (off when unset). A switch no kernel declares raises TypeError, as an unknown keyword would."""
+    """The opt-in kernels' switches that are on: ``enable(<switch>=...)`` if given, else
+    NPU_AUTOPATCH_<SWITCH> (off when unset). A switch no kernel declares raises TypeError, as an
+    unknown keyword would."""
     environ = os.environ if environ is None else environ
-    known = {switch: kernel for kernel, switch in SWITCHES.items()}
+    known = declared_switches()
     unknown = sorted(set(switches) - set(known))
     if unknown:
         raise TypeError(
@@ -191,12 +209,12 @@ def opted_in(switches, warn, environ=None):
             f"(opt-in kernel switches: {', '.join(known) or 'none'})"
         )
     on = set()
-    for switch, kernel in known.items():
+    for switch in known:
         value = switches.get(switch)
         if value is None:
             value = env_flag(switch_variable(switch), warn, environ)
         if value:
-            on.add(kernel)
+            on.add(switch)
     return frozenset(on)
 
 

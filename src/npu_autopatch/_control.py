@@ -280,7 +280,7 @@ def status() -> dict[str, PatchRecord]:
     Cheap: no torch, no wrapt, no package metadata (installed plugins are listed once
     transformers is imported, or by ``python -m npu_autopatch status``).
     """
-    from ._records import report  # dataclasses and enum: only when asked
+    from ._records import live_records  # dataclasses and enum: only when asked
 
     with locked:
-        return report()
+        return live_records()

@@ -87,6 +87,56 @@ class Variant:
         self.probe_live = probe_live
 
 
+class Pattern:
+    """How the scan and discovery nominate a kernel's candidate targets by name; the probes decide.
+
+    ``kind`` names the candidates (kernels whose patterns share a kind judge the same candidates,
+    in catalogue order: a norm is tried as ``rms_norm``, then ``gated_rms_norm``). ``classes``: a
+    regular expression searched in the name of a ``torch.nn.Module`` subclass, whose ``methods``
+    (the ones it defines itself, of those given) are the candidates; ``not_named``: a class whose
+    name it matches is not one (an MLP pattern leaves experts out). ``functions``: a regular
+    expression searched in the name of a module-level function, the candidate itself.
+    ``only_beside``: the pattern applies only in a module that has a name containing this text
+    (a decoder layer is a candidate only beside a Gated DeltaNet layer).
+    """
+
+    __slots__ = ("classes", "functions", "kind", "methods", "not_named", "only_beside")
+
+    def __init__(
+        self, kind, classes=None, functions=None, methods=("forward",), not_named=None, only_beside=None
+    ):
+        self.kind = kind
+        self.classes = classes
+        self.functions = functions
+        self.methods = tuple(methods)
+        self.not_named = not_named
+        self.only_beside = only_beside
+
+
+class Report:
+    """What ``report(model)`` shows of a kernel beyond what it reads itself (each class's and rotary
+    function's origin: ours, stock or foreign). Every hook is optional, and must not raise.
+
+    ``instance_stock(instance)``: why an instance of a class running this kernel still runs the
+    stock code (the swiglu kernel: an activation other than SiLU), else None; also said of a
+    candidate this kernel's probes accept, as what the kernel would then run.
+    ``flags(instance, defined_by)``: messages about an instance of a class running this kernel (the
+    loss kernel: whose code computes the loss); ``defined_by(code)`` names the module code is from.
+    ``rows(classes, records)``: the rows of this kernel's own table in the report (the attention
+    kernel: per attention class, the implementation its config picks and what computes it), from
+    ``{class: [(module name, instance)]}`` of the model and status(); each row an object whose
+    attributes are the columns, the first naming the class; ``columns``: the other columns' titles.
+    """
+
+    __slots__ = ("columns", "flags", "instance_stock", "rows")
+
+    def __init__(self, instance_stock=None, flags=None, rows=None, columns=()):
+        self.instance_stock = instance_stock
+        self.flags = flags
+        self.rows = rows
+        self.columns = tuple(columns)
+
+
 class Kernel:
     """A named kernel: the torch_npu ops it needs and its variants, tried in order.
 
@@ -109,12 +159,46 @@ class Kernel:
     kernel's ``logits=None``): never on by default nor through ``kernels=``, only through
     ``enable(<switch>=True)`` or ``NPU_AUTOPATCH_<SWITCH>=1``. A built-in kernel's switch is also
     written in ``kernels/_catalog.py``, where interpreter start reads it without torch.
+
+    ``candidates``: the ``Pattern``s by which the scan and discovery nominate code this kernel's
+    probes then judge (none: the kernel patches only the targets a model names).
+
+    ``report``: a ``Report``, what report(model) shows of this kernel beyond each class's origin.
+
+    ``reference``: {op name: CPU function} for the kernel's ops that ``kernels/_reference`` (the
+    reference math of the built-in kernels' ops) has not: the probes build candidates on these.
     """
 
-    __slots__ = ("fallback", "name", "ops", "refresh", "requires", "switch", "variants")
+    __slots__ = (
+        "candidates",
+        "fallback",
+        "name",
+        "ops",
+        "reference",
+        "refresh",
+        "report",
+        "requires",
+        "switch",
+        "variants",
+    )
 
-    def __init__(self, name, ops, variants, requires=None, fallback=None, refresh=None, switch=None):
+    def __init__(
+        self,
+        name,
+        ops,
+        variants,
+        requires=None,
+        fallback=None,
+        refresh=None,
+        switch=None,
+        candidates=(),
+        report=None,
+        reference=None,
+    ):
         self.name = name
+        self.reference = dict(reference or {})
+        self.candidates = tuple(candidates)
+        self.report = report
         self.ops = tuple(ops)
         self.variants = tuple(variants)
         self.requires = requires

@@ -25,9 +25,22 @@ def builtin_kernels():
     return kernels
 
 
-def golden_ops():
-    """The CPU reference math of the torch_npu ops (``_reference``): what the probes build candidates on."""
-    return _reference
+def golden_ops(kernel=None):
+    """The CPU reference math of the torch_npu ops (``_reference``), with ``kernel``'s own reference ops
+    (``Kernel.reference``, a plugin's new op) over it: what the probes build candidates on."""
+    if kernel is None or not kernel.reference:
+        return _reference
+    return _WithOwnOps(kernel.reference)
+
+
+class _WithOwnOps:
+    """``_reference`` with a kernel's own reference ops over it."""
+
+    def __init__(self, own):
+        vars(self).update(own)
+
+    def __getattr__(self, name):
+        return getattr(_reference, name)
 
 
 def _reraise(exc, *tensors):
@@ -58,7 +71,7 @@ def _probe_variants(kernel, stock):
         for variant in kernel.variants:
             if variant.probe is None:  # a plugin's kernel that chose to go unchecked
                 return variant, None
-            candidate = variant.build(stock, golden_ops(), _reraise)
+            candidate = variant.build(stock, golden_ops(kernel), _reraise)
             reason = variant.probe(stock, candidate)
             if reason is None:
                 return variant, None

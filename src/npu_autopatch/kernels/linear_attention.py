@@ -57,7 +57,7 @@ import sys
 
 import torch
 
-from .._types import Kernel, Variant
+from .._types import Kernel, Pattern, Variant
 from ._calls import counters
 from ._probe import (
     agree_strict,
@@ -428,5 +428,11 @@ GATED_DELTA_RULE = Kernel(
         Variant("fla", _build_fla, _probe_fla, probe_live=_fla_installed),
         Variant("chunk-scan", _build_chunk_scan, _probe_chunk_scan),
         Variant("decoder-layer", _build_decoder_layer, _probe_decoder_layer),
+    ),
+    # Only in a module with a Gated DeltaNet layer: its decoder layer's forward (packed sequences
+    # kept apart) and its chunked gated delta rule.
+    candidates=(
+        Pattern("linear", classes=r"DecoderLayer$", only_beside="GatedDeltaNet"),
+        Pattern("linear", functions=rf"^{CHUNK_FUNCTION}$", only_beside="GatedDeltaNet"),
     ),
 )

@@ -50,7 +50,7 @@ dtype of cos/sin, so does the replacement (npu_rotary_mul would cast cos/sin dow
 
 import torch
 
-from .._types import Kernel, Variant
+from .._types import Kernel, Pattern, Variant
 from ._calls import counters
 from ._probe import (
     BFLOAT16,
@@ -523,4 +523,5 @@ ROPE = Kernel(
         Variant("mrope", _build_mrope, _probe_mrope),
         Variant("vision", _build_vision, _probe_vision),
     ),
+    candidates=(Pattern("rope", functions=r"^apply_\w*rotary"),),
 )

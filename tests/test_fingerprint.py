@@ -111,7 +111,7 @@ def test_the_shipped_table_needs_no_probe(monkeypatch):
     def no_probe(kernel, stock):
         raise AssertionError(f"probed {stock.__qualname__}")
 
-    monkeypatch.setattr("npu_autopatch.kernels._probe_variants", no_probe)
+    monkeypatch.setattr("npu_autopatch.kernels._choose._probe_variants", no_probe)
     for where, kernel, stock in table_targets():
         variant, reason = choose_variant(kernel, stock)
         assert (variant is None) == (reason is not None), where
@@ -150,7 +150,7 @@ def shipped_refusals():
                 continue
             found = _resolve.resolve(module, [qualname])
             if found is not None:
-                yield KERNELS[kernel], print_, _resolve.stock_function(found[3]) or found[3]
+                yield KERNELS[kernel], print_, _resolve.stock_function(found.current) or found.current
 
 
 def test_a_shipped_refusal_is_the_live_one_word_for_word(monkeypatch):

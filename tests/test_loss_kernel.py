@@ -155,12 +155,14 @@ def test_the_switch_follows_the_conventions_of_the_others():
     def resolve(environ, warn=print, kernels=None, **arguments):
         return _config.resolve(None, None, kernels, None, False, warn, ["qwen3"], environ, **arguments)
 
-    assert not resolve({}).loss
-    assert resolve({"NPU_AUTOPATCH_LOSS": "1"}).loss
-    assert not resolve({"NPU_AUTOPATCH_LOSS": "1"}, loss=False).loss
-    assert resolve({}, loss=True).selects("loss") and not resolve({}).selects("loss")
+    assert not resolve({}).selects("loss")
+    assert resolve({"NPU_AUTOPATCH_LOSS": "1"}).selects("loss")
+    assert not resolve({"NPU_AUTOPATCH_LOSS": "1"}, loss=False).selects("loss")
+    assert resolve({}, loss=True).selects("loss")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lose'"):  # a typo is not ignored
+        resolve({}, lose=True)
     warnings = []
-    assert not resolve({"NPU_AUTOPATCH_LOSS": "maybe"}, warnings.append).loss
+    assert not resolve({"NPU_AUTOPATCH_LOSS": "maybe"}, warnings.append).selects("loss")
     assert warnings and "NPU_AUTOPATCH_LOSS" in warnings[0]
     with pytest.raises(ValueError, match="unknown kernels"):  # its own switch, not kernels=
         resolve({}, kernels=["loss"])

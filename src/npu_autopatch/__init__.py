@@ -11,7 +11,7 @@ class) are loaded on first use.
 """
 
 from ._control import disable, enable, is_enabled, register, status, unregister
-from ._types import Calls, Kernel, Model, Target, Variant
+from ._types import Calls, Kernel, Model, Pattern, Report, Target, Variant
 
 __version__ = "0.1.0"
 __all__ = [
@@ -21,7 +21,9 @@ __all__ = [
     "Model",
     "PatchError",
     "PatchRecord",
+    "Pattern",
     "ReasonCode",
+    "Report",
     "State",
     "Target",
     "TargetReason",

@@ -12,24 +12,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-# Candidate targets by name. The probes, not the names, decide what is patched.
-_NORM = re.compile(r"RMSNorm")
-_MLP = re.compile(r"(MLP|Mlp|FeedForward|FFN|Ffn)")
-_MOE = re.compile(r"(Experts|SparseMoeBlock|SparseMoE|MoE|Moe|MoEBlock|MoeBlock)$")
-_ROPE = re.compile(r"^apply_\w*rotary")
-# A decoder layer, nominated only in a module with a Gated DeltaNet (linear attention) layer: the
-# gated_delta_rule kernel's target (packed sequences kept apart) is the whole layer's forward.
-_LAYER = re.compile(r"DecoderLayer$")
-# ... and its chunked gated delta rule, which the kernel's chunk-scan variant replaces.
-_CHUNK_RULE = "torch_chunk_gated_delta_rule"
-_LINEAR_ATTENTION = "GatedDeltaNet"
-_KERNELS_FOR = {
-    "norm": ("rms_norm", "gated_rms_norm"),
-    "mlp": ("swiglu",),
-    "rope": ("rope",),
-    "moe": ("moe",),
-    "linear": ("gated_delta_rule",),
-}
+from ._state import STATE
+from ._types import Kernel
 
 
 @dataclass
@@ -37,7 +21,7 @@ class Candidate:
     """A class method or function whose name looks like a target, and what the probes said."""
 
     path: str  # "Qwen3RMSNorm.forward" or "apply_rotary_pos_emb", in the module's namespace
-    kind: str  # norm, mlp, rope, moe, linear
+    kind: str  # the kind of its Pattern: norm, mlp, rope, moe, linear, or a plugin kernel's
     defined_in: str  # the module that defines it (another one for an imported class)
     kernel: str | None = None  # the kernel whose probe accepted it
     variant: str | None = None
@@ -78,51 +62,72 @@ def modeling_modules(root: str | None = None) -> dict[str, list[str]]:
     return found
 
 
-def _kind(name: str, obj, linear_attention: bool = False) -> str | None:
-    """The kind of target ``name`` looks like; decoder layers only in a linear-attention module."""
+def kernels() -> dict[str, Kernel]:
+    """{name: Kernel} of every kernel known here: the built-in ones, then the Kernels the registered
+    models name (a plugin's, register()'s), each name once (their patterns nominate candidates, their
+    ``Report`` adds to report())."""
+    from .kernels import KERNELS
+
+    found = dict(KERNELS)
+    for model in list(STATE.models.values()):
+        for target in model.targets:
+            if isinstance(target.kernel, Kernel):
+                found.setdefault(target.kernel.name, target.kernel)
+    return found
+
+
+def _patterns(known=None):
+    return [pattern for kernel in (known or kernels()).values() for pattern in kernel.candidates]
+
+
+def kind_of(name: str, obj, namespace=(), patterns=None) -> str | None:
+    """The kind of candidate ``name`` (a class or function of a module whose names are ``namespace``)
+    looks like by the kernels' patterns, first match in the kernels' order; None for none."""
     import torch
 
-    if isinstance(obj, type):
-        if not issubclass(obj, torch.nn.Module):
-            return None
-        if linear_attention and _LAYER.search(name):
-            return "linear"
-        if _NORM.search(name):
-            return "norm"
-        if _MOE.search(name):
-            return "moe"
-        if _MLP.search(name) and "Experts" not in name:
-            return "mlp"
+    is_class = isinstance(obj, type)
+    if is_class and not issubclass(obj, torch.nn.Module):
         return None
-    if callable(obj) and _ROPE.match(name):
-        return "rope"
-    if callable(obj) and linear_attention and name == _CHUNK_RULE:
-        return "linear"
+    if not is_class and not callable(obj):
+        return None
+    for pattern in _patterns() if patterns is None else patterns:
+        wanted = pattern.classes if is_class else pattern.functions
+        if wanted is None or not re.search(wanted, name):
+            continue
+        if is_class and pattern.not_named is not None and re.search(pattern.not_named, name):
+            continue
+        if pattern.only_beside is not None and not any(pattern.only_beside in other for other in namespace):
+            continue
+        return pattern.kind
     return None
 
 
 def candidates(module) -> list[Candidate]:
-    """The module's targets by name: its classes' ``forward`` (and an MoE block's ``moe``), its
-    rotary functions. Classes imported from another transformers module count (4.57's
-    Qwen2.5-VL uses qwen2's norm), with the module that defines them."""
+    """The module's targets by name (the kernels' ``Pattern``s): a class's methods of the pattern that
+    it defines itself (``forward``, an MoE block's ``moe``), a function itself. Classes imported from
+    another transformers module count (4.57's Qwen2.5-VL uses qwen2's norm), with the module that
+    defines them."""
     import torch
 
     found = []
     namespace = vars(module)
-    linear_attention = any(_LINEAR_ATTENTION in name for name in namespace)
+    patterns = _patterns()
+    methods_of = {}
+    for pattern in patterns:
+        methods_of.setdefault(pattern.kind, pattern.methods)
     for name, obj in sorted(namespace.items()):
-        kind = _kind(name, obj, linear_attention)
+        kind = kind_of(name, obj, namespace, patterns)
         if kind is None:
             continue
         home = getattr(obj, "__module__", "") or ""
         if not home.startswith("transformers."):
             continue
-        if kind == "rope" or name == _CHUNK_RULE:
+        if not isinstance(obj, type):
             found.append(Candidate(name, kind, home))
             continue
-        methods = ["forward"] + (["moe"] if kind == "moe" and callable(getattr(obj, "moe", None)) else [])
-        for method in methods:
-            if getattr(obj, method) is not torch.nn.Module.forward:  # a forward of its own
+        for method in methods_of[kind]:
+            code = getattr(obj, method, None)
+            if callable(code) and code is not getattr(torch.nn.Module, method, None):  # its own
                 found.append(Candidate(f"{name}.{method}", kind, home))
     return found
 
@@ -135,8 +140,8 @@ def _stock(module, path):
 
 
 def kernels_for(kind: str) -> tuple[str, ...]:
-    """The kernels whose probes judge a candidate of this kind (norm, mlp, rope, moe, linear)."""
-    return _KERNELS_FOR[kind]
+    """The kernels whose probes judge a candidate of this kind: the ones with a pattern of that kind."""
+    return tuple(name for name, kernel in kernels().items() if any(p.kind == kind for p in kernel.candidates))
 
 
 def stock_code(module, path: str):
@@ -156,12 +161,13 @@ def probe(module, candidate: Candidate) -> Candidate:
 def probe_code(current, candidate: Candidate) -> Candidate:
     """``probe`` for code in hand (``current``, what the candidate's path holds), wherever it lives."""
     from ._resolve import stock_function
-    from .kernels import KERNELS, choose_variant
+    from .kernels import choose_variant
 
     stock = stock_function(current) or current
+    known = kernels()
     for kernel in kernels_for(candidate.kind):
         try:
-            variant, reason = choose_variant(KERNELS[kernel], stock)
+            variant, reason = choose_variant(known[kernel], stock)
         except Exception as exc:  # a probe that raised refuses the candidate, with the error
             variant, reason = None, f"the probe raised {type(exc).__name__}: {exc}"
         if variant is not None:

@@ -8,7 +8,8 @@ Bad values passed to enable() raise ValueError, because that is a bug in the cal
 import os
 
 from ._state import STATE
-from ._types import KERNEL_NAMES, OPT_IN_KERNELS, STEP_ASIDE_KERNELS
+from ._types import BUILTIN_KERNELS
+from .kernels._catalog import SWITCHES
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -20,11 +21,16 @@ ENV_KERNELS = "NPU_AUTOPATCH_KERNELS"
 ENV_STRICT = "NPU_AUTOPATCH_STRICT"
 ENV_LOG_ALL_RANKS = "NPU_AUTOPATCH_LOG_ALL_RANKS"
 ENV_DISCOVER = "NPU_AUTOPATCH_DISCOVER"
-ENV_LOSS = "NPU_AUTOPATCH_LOSS"
-ENV_STEP_ASIDE = "NPU_AUTOPATCH_STEP_ASIDE"
 
-# The kernels ``kernels=`` / NPU_AUTOPATCH_KERNELS select among; the opt-in ones have their own switch.
-SELECTABLE_KERNELS = tuple(k for k in KERNEL_NAMES if k not in OPT_IN_KERNELS)
+# The kernels ``kernels=`` / NPU_AUTOPATCH_KERNELS select among; an opt-in kernel (kernels/_catalog)
+# has its own switch instead: ``enable(<switch>=True)`` or ``NPU_AUTOPATCH_<SWITCH>=1``.
+SELECTABLE_KERNELS = tuple(k for k in BUILTIN_KERNELS if k not in SWITCHES)
+
+
+def switch_variable(switch):
+    """The environment variable of an opt-in kernel's switch: ``NPU_AUTOPATCH_<SWITCH>``."""
+    return f"{ENV_SWITCH}_{switch.upper()}"
+
 
 # Long or hostile values are echoed back shortened, never evaluated; a long list of unknown
 # names is echoed in part, so that the warning stays one readable line.
@@ -96,20 +102,20 @@ def _arg_names(value, valid, what, argname):
 
 class Config:
     """The resolved selection: which models and kernels, strict or not, forced or not, whether
-    modeling modules outside the registry are discovered, whether the loss kernel is on, and
-    whether other libraries' NPU patches step aside for ours (``step_aside``, on by default)."""
+    modeling modules outside the registry are discovered, and which opt-in kernels are switched on."""
 
-    __slots__ = ("discover", "exclude", "force", "kernels", "loss", "models", "step_aside", "strict")
+    __slots__ = ("discover", "exclude", "force", "kernels", "models", "opted_in", "strict")
 
-    def __init__(self, models, exclude, kernels, strict, force, discover=False, loss=False, step_aside=True):
+    # ``opted_in``: the switches on (``"loss"``), of the built-in kernels and the registered models'.
+
+    def __init__(self, models, exclude, kernels, strict, force, discover=False, opted_in=frozenset()):
         self.models = models  # frozenset, or None for every supported model
         self.exclude = exclude  # frozenset
         self.kernels = kernels  # frozenset, or None for every kernel
         self.strict = strict
         self.force = force
         self.discover = discover
-        self.loss = loss
-        self.step_aside = step_aside
+        self.opted_in = frozenset(opted_in)  # the opt-in kernels' switches that are on
 
     def _key(self):
         return (
@@ -119,17 +125,17 @@ class Config:
             self.strict,
             self.force,
             self.discover,
-            self.loss,
-            self.step_aside,
+            self.opted_in,
         )
 
-    def selects(self, kernel_name):
-        """Whether targets of this kernel are patched: a kernel with a switch of its own only with it on."""
-        if kernel_name in OPT_IN_KERNELS:
-            return self.loss
-        if kernel_name in STEP_ASIDE_KERNELS:
-            return self.step_aside
-        return self.kernels is None or kernel_name in self.kernels
+    def selects(self, kernel):
+        """Whether targets of this kernel (a built-in name or a Kernel) are patched: an opt-in kernel
+        only with its switch on."""
+        name = getattr(kernel, "name", kernel)
+        switch = getattr(kernel, "switch", None) or SWITCHES.get(name)
+        if switch is not None:
+            return switch in self.opted_in
+        return self.kernels is None or name in self.kernels
 
     def __eq__(self, other):
         return isinstance(other, Config) and self._key() == other._key()
@@ -147,9 +153,11 @@ class Config:
             return "not-selected", "discovery is off"
         if model_type in self.exclude:
             return "excluded", "excluded by configuration"
-        if _steps_aside(model_type):  # another library's patch giving way to ours: its own switch
-            if not self.step_aside:
-                return "not-selected", f"step-aside is off ({ENV_STEP_ASIDE}=0 or enable(step_aside=False))"
+        switch = _selected_by_switch(model_type)
+        if switch is not None:  # e.g. another library's patch giving way to ours: its switch alone
+            if switch not in self.opted_in:
+                off = f"{switch_variable(switch)}=0 or enable({switch}=False)"
+                return "not-selected", f"its switch is off ({off})"
             return None
         if self.models is not None and model_type not in self.models:
             return "not-selected", "not in the selected models"
@@ -161,23 +169,24 @@ class Config:
 
         # Off: the repr users already know.
         discover = ", discover=True" if self.discover else ""
-        loss = ", loss=True" if self.loss else ""
-        switches = discover + loss + ("" if self.step_aside else ", step_aside=False")
+        defaults = declared_switches()
+        switches = "".join(
+            f", {switch}={switch in self.opted_in}"
+            for switch in sorted(set(defaults) | self.opted_in)
+            if (switch in self.opted_in) != defaults.get(switch, False)
+        )
         return (
             f"Config(models={show(self.models)}, exclude={show(self.exclude)}, "
-            f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force}{switches})"
+            f"kernels={show(self.kernels)}, strict={self.strict}, force={self.force}{discover}{switches})"
         )
 
 
-def _steps_aside(model_type):
-    """Whether the entry only makes another library's patch step aside: selected by its own switch,
-    whatever ``models=`` lists (that library's patch then gives way for exactly the models we patch)."""
+def _selected_by_switch(model_type):
+    """The switch that alone selects this entry (its targets all take one switched-on Kernel), or None."""
     model = STATE.models.get(model_type)
-    return (
-        model is not None
-        and bool(model.targets)
-        and all(t.kernel_name in STEP_ASIDE_KERNELS for t in model.targets)
-    )
+    kernels = {getattr(t.kernel, "switch", None) for t in model.targets} if model is not None else set()
+    switched_on = model is not None and all(getattr(t.kernel, "switched_on", False) for t in model.targets)
+    return next(iter(kernels)) if switched_on and len(kernels) == 1 and None not in kernels else None
 
 
 def requested_models(models, exclude, environ=None):
@@ -195,25 +204,49 @@ def discover_wanted(discover, warn, environ=None):
     return bool(discover) if discover is not None else env_flag(ENV_DISCOVER, warn, environ)
 
 
+def declared_switches():
+    """{switch: whether it is on by default} of every kernel with a switch of its own: the built-in
+    ones (kernels/_catalog, opt-in), then the Kernels the registered models name (a plugin's,
+    register()'s, an integration's such as verl's step-aside, on by default)."""
+    declared = dict.fromkeys(SWITCHES.values(), False)
+    for model in list(STATE.models.values()):
+        for target in model.targets:
+            switch = getattr(target.kernel, "switch", None)  # a Kernel's; a built-in name has none
+            if switch is not None:
+                declared.setdefault(switch, bool(getattr(target.kernel, "switched_on", False)))
+    return declared
+
+
+def opted_in(switches, warn, environ=None):
+    """The kernels' switches that are on: ``enable(<switch>=...)`` if given, else NPU_AUTOPATCH_<SWITCH>,
+    else the kernel's default (an opt-in kernel off, a switched-on one on). A switch no kernel declares
+    raises TypeError, as an unknown keyword would."""
+    environ = os.environ if environ is None else environ
+    known = declared_switches()
+    unknown = sorted(set(switches) - set(known))
+    if unknown:
+        raise TypeError(
+            f"enable() got an unexpected keyword argument {unknown[0]!r} "
+            f"(kernel switches: {', '.join(known) or 'none'})"
+        )
+    on = set()
+    for switch, default in known.items():
+        value = switches.get(switch)
+        if value is None:
+            value = env_flag(switch_variable(switch), warn, environ, default=default)
+        if value:
+            on.add(switch)
+    return frozenset(on)
+
+
 def resolve(
-    models,
-    exclude,
-    kernels,
-    strict,
-    force,
-    warn,
-    valid_models,
-    environ=None,
-    discover=False,
-    loss=None,
-    step_aside=None,
+    models, exclude, kernels, strict, force, warn, valid_models, environ=None, discover=False, **switches
 ):
     """Arguments override the environment; the environment overrides the defaults.
 
     ``discover``: the already resolved discover_wanted(); ``valid_models`` then includes the
     installed modeling modules' names that the caller found (see _discover.installed).
-    ``loss``: enable(loss=...), else NPU_AUTOPATCH_LOSS (off when unset).
-    ``step_aside``: enable(step_aside=...), else NPU_AUTOPATCH_STEP_ASIDE (on when unset or unrecognised).
+    ``switches``: the opt-in kernels' switches given to enable() (``loss=True``), see opted_in().
     """
     environ = os.environ if environ is None else environ
     valid_models = tuple(valid_models)
@@ -228,10 +261,5 @@ def resolve(
         kernel_set = _env_names(environ, ENV_KERNELS, SELECTABLE_KERNELS, "kernels", warn)
     if strict is None:
         strict = env_flag(ENV_STRICT, warn, environ)
-    if loss is None:
-        loss = env_flag(ENV_LOSS, warn, environ)
-    if step_aside is None:
-        step_aside = env_flag(ENV_STEP_ASIDE, warn, environ, default=True)
-    return Config(
-        model_set, exclude_set, kernel_set, bool(strict), bool(force), discover, bool(loss), bool(step_aside)
-    )
+    chosen = opted_in(switches, warn, environ)
+    return Config(model_set, exclude_set, kernel_set, bool(strict), bool(force), discover, chosen)

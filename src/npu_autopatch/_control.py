@@ -72,17 +72,17 @@ def enable(
     strict: bool | None = None,
     force: bool = False,
     discover: bool | None = None,
-    loss: bool | None = None,
-    step_aside: bool | None = None,
+    **switches: bool | None,
 ) -> None:
     """Patch every selected model as soon as (or if already) its modeling module is imported.
 
     ``discover=True`` also patches the modeling modules no registered model covers, from the
-    candidates the kernels' probes accept (see _discover). ``loss=True`` adds the chunked loss
-    kernel (kernels/loss.py): opt-in, since a forward training with labels then returns
-    ``logits=None``. ``step_aside=False`` lets another library's own NPU patch (see
-    integrations/) run as without us; by default it steps aside for the models we patch. Arguments override
-    NPU_AUTOPATCH_MODELS / _EXCLUDE / _KERNELS / _STRICT / _DISCOVER / _LOSS / _STEP_ASIDE. Calling it
+    candidates the kernels' probes accept (see _discover). An opt-in kernel's switch turns it on
+    (``loss=True``: the chunked loss kernel, kernels/loss.py, opt-in since a forward training with
+    labels then returns ``logits=None``), a switched-on kernel's turns it off (``step_aside=False``:
+    verl's own NPU patch runs as without us, integrations/verl.py); an unknown keyword raises
+    TypeError. Arguments override
+    NPU_AUTOPATCH_MODELS / _EXCLUDE / _KERNELS / _STRICT / _DISCOVER / _<SWITCH>. Calling it
     again with the same selection does nothing; with another selection, the models patched
     so far are reverted and the new selection is applied. Imports none of torch,
     transformers or torch_npu unless a modeling module is already imported. In strict mode
@@ -102,16 +102,7 @@ def enable(
 
             valid += sorted(_discover.installed(unknown))
         config = _config.resolve(
-            models,
-            exclude,
-            kernels,
-            strict,
-            force,
-            _log.warning,
-            valid,
-            discover=discover,
-            loss=loss,
-            step_aside=step_aside,
+            models, exclude, kernels, strict, force, _log.warning, valid, discover=discover, **switches
         )
     _apply(config)
 
@@ -292,7 +283,7 @@ def status() -> dict[str, PatchRecord]:
     Cheap: no torch, no wrapt, no package metadata (installed plugins are listed once
     transformers is imported, or by ``python -m npu_autopatch status``).
     """
-    from ._records import report  # dataclasses and enum: only when asked
+    from ._records import live_records  # dataclasses and enum: only when asked
 
     with locked:
-        return report()
+        return live_records()

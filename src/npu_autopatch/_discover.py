@@ -145,8 +145,8 @@ def patch(module):
 
 def _model(module, model_type, config):
     """(Model of the accepted candidates, {refused candidate: why}); an unwanted model is not probed."""
-    from ._candidates import candidates, probe
-    from ._types import Model, Target
+    from ._candidates import candidates, kernels, probe
+    from ._types import BUILTIN_KERNELS, Model, Target
 
     if config.wants(model_type) is not None:
         return Model(model_type, module=module.__name__), {}
@@ -158,5 +158,8 @@ def _model(module, model_type, config):
         if candidate.kernel is None:
             refused[candidate.path] = "; ".join(f"{k}: {why}" for k, why in candidate.refused.items())
         else:  # kernels= is the patcher's to apply, as for a table model
-            accepted.append(Target(candidate.kernel, candidate.path))
+            kernel = candidate.kernel  # a built-in's name, else the registered models' Kernel itself
+            if kernel not in BUILTIN_KERNELS:
+                kernel = kernels()[kernel]
+            accepted.append(Target(kernel, candidate.path))
     return Model(model_type, *accepted, module=module.__name__), refused

@@ -11,10 +11,16 @@ model and ``disable()`` never pull a kernel from under another model. An owner i
 a module, or a dict (transformers' experts registry).
 """
 
+import collections
+
 from ._resolve import current, foreign_holder, resolve
 from ._state import STATE
 
 _ORIGINAL = object()  # Slot(seen=...) default: the plan found the original there
+
+# Why a model's kernels no longer sit on what its module holds (moved()): ``gone`` when the module is
+# no longer imported (its import failed after patching), else ``code`` (a ReasonCode value) and ``why``.
+Moved = collections.namedtuple("Moved", "gone code why")
 
 
 class Slot:
@@ -184,7 +190,7 @@ def release_all(model_type):
 
 
 def moved(model_type, module):
-    """None while the model's kernels sit on what ``module`` holds now, else (code, why not).
+    """None while the model's kernels sit on what ``module`` holds now, else why not (a ``Moved``).
 
     A module whose body ran again unpatched (``importlib.reload`` or an import retried while
     patching was off) holds new, stock objects. Another library may also have rebound a
@@ -192,10 +198,11 @@ def moved(model_type, module):
     """
     placed_module, placed = STATE.placed[model_type]
     if module is None:
-        return "gone", None
+        return Moved(True, None, None)
     name = placed_module.__name__
     if module is not placed_module:
-        return (
+        return Moved(
+            False,
             "module-reexecuted",
             f"{name} was imported again after it was patched; its new objects run stock",
         )
@@ -204,19 +211,15 @@ def moved(model_type, module):
         slot = STATE.slots.get(key)
         if found is None or slot is None:
             continue
-        if (id(found[1]), found[2]) != key or found[3] is not slot.replacement:
-            holder = foreign_holder(found[3], module, found[1])
+        if (id(found.owner), found.attr) != key or found.current is not slot.replacement:
+            holder = foreign_holder(found.current, module, found.owner)
             if holder is not None:
-                return "replaced-after-us", f"{name}:{path} was replaced after us by {holder}"
-            if (id(found[1]), found[2]) != key:
-                return (
-                    "module-reexecuted",
-                    f"{name} was executed again after it was patched; its new objects run stock",
-                )
-            return (
-                "module-reexecuted",
-                f"{slot.where} holds transformers' own code again (module executed again?)",
-            )
+                return Moved(False, "replaced-after-us", f"{name}:{path} was replaced after us by {holder}")
+            if (id(found.owner), found.attr) != key:
+                why = f"{name} was executed again after it was patched; its new objects run stock"
+                return Moved(False, "module-reexecuted", why)
+            why = f"{slot.where} holds transformers' own code again (module executed again?)"
+            return Moved(False, "module-reexecuted", why)
     return None
 
 
@@ -227,8 +230,8 @@ def shared_targets(model, module):
         found = resolve(module, target.paths)
         if found is None:
             continue
-        key = (id(found[1]), found[2])
+        key = (id(found.owner), found.attr)
         slot = STATE.slots.get(key)
-        if slot is not None and found[3] is slot.replacement and model.model_type not in slot.holders:
+        if slot is not None and found.current is slot.replacement and model.model_type not in slot.holders:
             shared[slot.where] = tuple(sorted(slot.holders))
     return shared

@@ -31,7 +31,7 @@ from . import _device, _experts, _ledger, _log, _resolve
 from ._failures import is_op_failure
 from ._records import PatchError, PatchRecord, ReasonCode, State, TargetReason
 from ._state import STATE, locked
-from ._types import KERNEL_NAMES, Calls, Kernel
+from ._types import BUILTIN_KERNELS, Calls, Kernel
 from .kernels import KERNELS, choose_variant
 
 
@@ -179,7 +179,7 @@ def _applied_record(model, stock):
     latest = {key for _path, key in STATE.placed[model.model_type][1]}
     mine = [s for s in slots if s.kernel is not None and (id(s.owner), s.attr) in latest]
     used = {s.kernel for s in mine}
-    kernels = tuple(k for k in (*KERNEL_NAMES, *sorted(used - set(KERNEL_NAMES))) if k in used)
+    kernels = tuple(k for k in (*BUILTIN_KERNELS, *sorted(used - set(BUILTIN_KERNELS))) if k in used)
     return PatchRecord(
         model.model_type,
         model.module,
@@ -326,9 +326,10 @@ def present_targets(targets):
 
 
 def _plan(model, module, config, generation):
-    """Resolve, check, probe and build every selected target; swap nothing.
+    """Locate, choose and install every selected target, in a plan; swap nothing.
 
-    Returns (steps, placed paths, {target left stock: TargetReason}); raises _Failure/_Skip.
+    Returns (steps, placed paths, {target left stock: TargetReason}, {target: Calls}); raises
+    _Failure/_Skip.
     """
     npu, reason = _decide_device(generation)
     if npu is None:
@@ -336,117 +337,172 @@ def _plan(model, module, config, generation):
     targets = model.targets
     if model.load is not None and not targets:
         targets = model.targets = _load_plugin(model)
-    steps, placed, stock, counted = [], [], {}, {}
-    targets = present_targets(targets)
-    selected = [t for t in targets if config.selects(t.kernel_name)]
+    plan = _Plan()
+    selected = [t for t in present_targets(targets) if config.selects(t.kernel)]
     if not selected:
         raise _Skip("no-kernel-selected", "none of its kernels is selected")
     for target in selected:
-        found = _resolve.resolve(module, target.paths)
-        if found is None:
-            raise _Failure(
-                "target-missing",
-                f"target {' or '.join(target.paths)} not found in {module.__name__} "
-                "(renamed or removed in this transformers version?)",
-            )
-        path, owner, attr, current, had_own = found
-        where = _resolve.where(module, owner, path)
-        key = (id(owner), attr)
-        slot = STATE.slots.get(key)
-        if slot is not None and current is slot.replacement:  # another model put our kernel here
-            steps.append((key, slot))
-            placed.append((path, key))
+        site = _locate(module, target, config)
+        if site.joined is not None:  # another model put our kernel here: this one joins it
+            plan.steps.append((site.key, site.joined))
+            plan.placed.append((site.found.path, site.key))
             continue
-        holder = _resolve.foreign_holder(current, module, owner)
-        if holder is not None and not config.force:
-            named = f"{module.__name__}:{path}"  # the model's name for it, whoever's class holds it now
-            raise _Skip(
-                "foreign-patch",
-                f"{named} is already replaced by {holder}; pass force=True to replace it anyway",
-            )
         kernel = KERNELS.get(target.kernel) or target.kernel  # a built-in name, or a plugin's Kernel
-        missing = [op for op in kernel.ops if not hasattr(npu, op)]
-        if missing:
-            raise _Failure(
-                "op-missing",
-                f"torch_npu has no {', '.join(missing)} (needed by {kernel.name}; torch_npu too old?)",
-            )
-        unsupported = _requirement(kernel, npu)
-        allowed = [v for v in kernel.variants if _requirement(v, npu) is None]
-        if unsupported is None and not allowed:
-            unsupported = "; ".join(f"{v.name}: {_requirement(v, npu)}" for v in kernel.variants)
-        if unsupported is not None:
-            stock[where] = _left_stock(ReasonCode.KERNEL_UNSUPPORTED, kernel, where, unsupported)
+        choice = _choose(kernel, site, npu)
+        if choice.variant is None:
+            plan.stock[site.where] = _left_stock(choice.code, kernel, site.where, choice.why)
             continue
-        refused = [v for v in kernel.variants if v not in allowed]
-        kernel_now = Kernel(kernel.name, kernel.ops, allowed) if refused else kernel
-        stock_code = _resolve.stock_function(current) or current  # what the kernel must reproduce
-        try:
-            variant, mismatch = choose_variant(kernel_now, stock_code)
-            # A refused variant that would reproduce the target: the torch_npu is the reason.
-            wanted = (
-                choose_variant(Kernel(kernel.name, kernel.ops, refused), stock_code)[0] if refused else None
-            )
-        except Exception as exc:
-            raise _Failure(
-                "probe-error",
-                f"kernel {kernel.name} raised while checking {where}: {type(exc).__name__}: {exc}",
-            ) from exc
-        if variant is None and wanted is not None:
-            why = f"its {wanted.name} variant needs a newer torch_npu: {_requirement(wanted, npu)}"
-            stock[where] = _left_stock(ReasonCode.KERNEL_UNSUPPORTED, kernel, where, why)
-            continue
-        if variant is None:
-            stock[where] = _left_stock(ReasonCode.MATH_DIFFERS, kernel, where, mismatch)
-            continue
-        note = None
-        if wanted is not None and kernel.variants.index(wanted) < kernel.variants.index(variant):
-            # e.g. the attention kernel's sinks unfused on a device whose fused op drops them
-            why = _requirement(wanted, npu)
-            note = f"{kernel.name} at {where} runs its {variant.name} variant, not {wanted.name}: {why}"
-        interface = _experts.interface_of(current)
-        built = []
-        calls = counted[where] = _counter(where)
-        on_error = _on_error(
+        _install(model, module, site, kernel, choice, npu, plan)
+    return plan.steps, plan.placed, plan.stock, plan.counted
+
+
+class _Plan:
+    """What a model's plan commits: ledger steps (key, Slot), the paths placed (path, key), the targets
+    left stock ({where: TargetReason}) and the Calls of each replacement built ({where: Calls})."""
+
+    __slots__ = ("counted", "placed", "steps", "stock")
+
+    def __init__(self):
+        self.steps, self.placed, self.stock, self.counted = [], [], {}, {}
+
+
+class _Site:
+    """A located target: what ``_resolve`` found, how status() names it, its ledger key, and the slot
+    of ours it already holds (another model's) or None."""
+
+    __slots__ = ("found", "joined", "key", "where")
+
+    def __init__(self, found, where, key, joined):
+        self.found, self.where, self.key, self.joined = found, where, key, joined
+
+
+def _locate(module, target, config):
+    """Find the target in the module and check it is the model's own code (or ours, another model's)."""
+    found = _resolve.resolve(module, target.paths)
+    if found is None:
+        raise _Failure(
+            "target-missing",
+            f"target {' or '.join(target.paths)} not found in {module.__name__} "
+            "(renamed or removed in this transformers version?)",
+        )
+    where = _resolve.where(module, found.owner, found.path)
+    key = (id(found.owner), found.attr)
+    slot = STATE.slots.get(key)
+    if slot is not None and found.current is slot.replacement:
+        return _Site(found, where, key, slot)
+    holder = _resolve.foreign_holder(found.current, module, found.owner)
+    if holder is not None and not config.force:
+        named = f"{module.__name__}:{found.path}"  # the model's name for it, whoever's class holds it now
+        raise _Skip(
+            "foreign-patch", f"{named} is already replaced by {holder}; pass force=True to replace it anyway"
+        )
+    return _Site(found, where, key, None)
+
+
+class _Choice:
+    """The variant chosen for a target and why not an earlier one (``note``), or why none
+    (``code``, ``why``); ``stock`` is the code the variant reproduces."""
+
+    __slots__ = ("code", "note", "stock", "variant", "why")
+
+    def __init__(self, variant=None, stock=None, note=None, code=None, why=None):
+        self.variant, self.stock, self.note, self.code, self.why = variant, stock, note, code, why
+
+
+def _choose(kernel, site, npu):
+    """The kernel's first variant that the installed torch_npu can run and that reproduces the target."""
+    missing = [op for op in kernel.ops if not hasattr(npu, op)]
+    if missing:
+        raise _Failure(
+            "op-missing",
+            f"torch_npu has no {', '.join(missing)} (needed by {kernel.name}; torch_npu too old?)",
+        )
+    unsupported = _requirement(kernel, npu)
+    allowed = [v for v in kernel.variants if _requirement(v, npu) is None]
+    if unsupported is None and not allowed:
+        unsupported = "; ".join(f"{v.name}: {_requirement(v, npu)}" for v in kernel.variants)
+    if unsupported is not None:
+        return _Choice(code=ReasonCode.KERNEL_UNSUPPORTED, why=unsupported)
+    refused = [v for v in kernel.variants if v not in allowed]
+    stock_code = _resolve.stock_function(site.found.current) or site.found.current  # what it must reproduce
+    try:
+        variant, mismatch = choose_variant(
+            Kernel(kernel.name, kernel.ops, allowed) if refused else kernel, stock_code
+        )
+        # A refused variant that would reproduce the target: the torch_npu is the reason.
+        wanted = choose_variant(Kernel(kernel.name, kernel.ops, refused), stock_code)[0] if refused else None
+    except Exception as exc:
+        raise _Failure(
+            "probe-error",
+            f"kernel {kernel.name} raised while checking {site.where}: {type(exc).__name__}: {exc}",
+        ) from exc
+    if variant is None and wanted is not None:
+        why = f"its {wanted.name} variant needs a newer torch_npu: {_requirement(wanted, npu)}"
+        return _Choice(code=ReasonCode.KERNEL_UNSUPPORTED, why=why)
+    if variant is None:
+        return _Choice(code=ReasonCode.MATH_DIFFERS, why=mismatch)
+    note = None
+    if wanted is not None and kernel.variants.index(wanted) < kernel.variants.index(variant):
+        # e.g. the attention kernel's sinks unfused on a device whose fused op drops them
+        why = _requirement(wanted, npu)
+        note = f"{kernel.name} at {site.where} runs its {variant.name} variant, not {wanted.name}: {why}"
+    return _Choice(variant, stock_code, note)
+
+
+def _install(model, module, site, kernel, choice, npu, plan):
+    """Build the chosen variant's replacement and add the ledger steps that put it in place."""
+    found, where = site.found, site.where
+    interface = _experts.interface_of(found.current)
+    built = []
+    calls = plan.counted[where] = _counter(where)
+    on_error = _on_error(
+        model.model_type,
+        site.key if interface is None else (id(found.owner), _experts.ATTR),
+        built,
+        getattr(kernel, "fallback", None),
+        calls,
+    )
+    try:
+        fallback = _experts.fallback(found.current) if interface is not None else choice.stock
+        replacement = choice.variant.build(fallback, npu, on_error)
+    except Exception as exc:
+        raise _Failure(
+            "build-error",
+            f"kernel {kernel.name} raised while building for {where}: {type(exc).__name__}: {exc}",
+        ) from exc
+    built.append(replacement)
+    with contextlib.suppress(AttributeError, TypeError):  # a plugin's callable may refuse it
+        replacement.__wrapped__ = found.current  # what it replaces, as functools.wraps would say
+    if interface is not None:
+        # transformers 5.x's experts dispatch through its experts registry: installed there (_experts)
+        steps, placed = _experts.slots(
             model.model_type,
-            key if interface is None else (id(owner), _experts.ATTR),
-            built,
-            getattr(kernel, "fallback", None),
-            calls,
+            module,
+            found.owner,
+            found.path,
+            found.current,
+            interface,
+            kernel.name,
+            choice.variant.name,
+            replacement,
         )
-        try:
-            fallback = _experts.fallback(current) if interface is not None else stock_code
-            replacement = variant.build(fallback, npu, on_error)
-        except Exception as exc:
-            raise _Failure(
-                "build-error",
-                f"kernel {kernel.name} raised while building for {where}: {type(exc).__name__}: {exc}",
-            ) from exc
-        built.append(replacement)
-        with contextlib.suppress(AttributeError, TypeError):  # a plugin's callable may refuse it
-            replacement.__wrapped__ = current  # what it replaces, as functools.wraps would say
-        if interface is not None:
-            more, more_placed = _experts.slots(
-                model.model_type,
-                module,
-                owner,
-                path,
-                current,
-                interface,
-                kernel.name,
-                variant.name,
-                replacement,
-            )
-            steps += more
-            placed += more_placed
-            continue
-        names = (kernel.name, variant.name)
-        slot = _ledger.Slot(
-            owner, attr, current, replacement, had_own, where, *names, refresh=kernel.refresh, note=note
-        )
-        steps.append((key, slot))
-        placed.append((path, key))
-    return steps, placed, stock, counted
+        plan.steps += steps
+        plan.placed += placed
+        return
+    names = (kernel.name, choice.variant.name)
+    slot = _ledger.Slot(
+        found.owner,
+        found.attr,
+        found.current,
+        replacement,
+        found.had_own,
+        where,
+        *names,
+        refresh=kernel.refresh,
+        note=choice.note,
+    )
+    plan.steps.append((site.key, slot))
+    plan.placed.append((found.path, site.key))
 
 
 def _left_stock(code, kernel, where, why):

@@ -175,7 +175,9 @@ class PatchError(Exception):
 # --- status(): every model's record as things stand now (the caller holds the lock) -------
 
 
-def report():
+def live_records():
+    """{model type: PatchRecord} of every model known now, each checked against what its module holds
+    (status()'s answer; report(model) is _report's, about one live model)."""
     roots = _transformers_roots()
     out = {model_type: _live(model, roots) for model_type, model in list(STATE.models.items())}
     for model_type, model in list(STATE.discovered.items()):  # only those imported: each has a record
@@ -279,7 +281,7 @@ def _downgraded(rec, model_type):
     """The record downgraded when what it claims no longer holds, else None."""
     placed_module = STATE.placed[model_type][0]
     moved = _ledger.moved(model_type, sys.modules.get(placed_module.__name__))
-    if moved is not None and moved[0] == "gone":
+    if moved is not None and moved.gone:
         return replace(
             rec,
             state=State.PENDING,
@@ -288,7 +290,7 @@ def _downgraded(rec, model_type):
             "library's post-import hook raise?); it is patched when imported again",
         )
     if moved is not None:
-        return replace(rec, state=State.OVERRIDDEN, code=ReasonCode(moved[0]), cause=moved[1])
+        return replace(rec, state=State.OVERRIDDEN, code=ReasonCode(moved.code), cause=moved.why)
     latest = {key for _path, key in STATE.placed[model_type][1]}
     for key in STATE.held.get(model_type, ()):
         slot = STATE.slots.get(key)

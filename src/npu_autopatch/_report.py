@@ -31,11 +31,11 @@ import functools
 import sys
 from dataclasses import dataclass, field
 
-from . import _candidates, _control, _experts, _resolve
+from . import _candidates, _config, _control, _experts, _resolve
 from ._records import PatchRecord, ReasonCode, State, describe_calls
 from ._state import STATE, locked
 from ._table import columns
-from ._types import OPT_IN_KERNELS
+from .kernels._catalog import SWITCHES
 
 OURS, STOCK, FOREIGN = "ours", "stock", "foreign"
 # Modules whose classes are library code, not the user's own (whose rotary functions are listed too).
@@ -83,14 +83,12 @@ class Flag:
 
 
 @dataclass
-class AttentionEntry:
-    """One attention module class of the model: the implementation its config picks and the code
-    that computes it (FA2 on the NPU: transformers' Ascend functions, ours or stock)."""
+class Section:
+    """A kernel's own table in the report (its ``Report.rows``): the attention kernel's attention
+    classes, the implementation their config picks and what computes it."""
 
-    name: str  # the class's qualified name
-    count: int  # instances in the model
-    implementation: str  # config._attn_implementation: flash_attention_2, sdpa, eager, ...
-    path: str  # what runs, in words
+    columns: tuple[str, ...]  # the titles of the columns after the first (the class)
+    rows: list  # objects whose attributes are the columns
 
 
 @dataclass
@@ -103,9 +101,17 @@ class CoverageReport:
     functions: list[FunctionEntry]
     flags: list[Flag]
     records: dict[str, PatchRecord]  # status() of the models whose modeling modules the model uses
-    attention: list[AttentionEntry] = field(default_factory=list)  # see _attention_paths
+    # Each kernel's own table, by kernel name (see Section); ``report.attention`` is its rows.
+    sections: dict[str, Section] = field(default_factory=dict)
     # How the calls of the replacements in those records ran (PatchRecord.calls), per target path.
     calls: dict[str, dict] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> list:
+        """A kernel's own rows by its name: ``report(model).attention``."""
+        section = self.__dict__.get("sections", {}).get(name)
+        if section is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return section.rows
 
     @property
     def counts(self) -> dict[str, int]:
@@ -130,7 +136,7 @@ class CoverageReport:
             "functions": [vars(f).copy() for f in self.functions],
             "flags": [vars(f).copy() for f in self.flags],
             "records": {name: rec.as_dict() for name, rec in self.records.items()},
-            "attention": [vars(a).copy() for a in self.attention],
+            **{kernel: [vars(row).copy() for row in s.rows] for kernel, s in self.sections.items()},
             "calls": {
                 target: {"fused": c["fused"], "stock": dict(c["stock"])} for target, c in self.calls.items()
             },
@@ -154,10 +160,11 @@ class CoverageReport:
         lines = [self.summary(), "", columns(rows)]
         if self.functions:
             lines += ["", columns(functions)]
-        if self.attention:
-            attention = [("attention", "n", "implementation", "runs")]
-            attention += [(a.name, str(a.count), a.implementation, a.path) for a in self.attention]
-            lines += ["", columns(attention)]
+        for kernel, section in self.sections.items():
+            if section.rows:
+                table = [(kernel, *section.columns)]
+                table += [tuple(str(value) for value in vars(row).values()) for row in section.rows]
+                lines += ["", columns(table)]
         if self._called():
             calls = [("target", "calls")]
             calls += [(where, describe_calls(c)) for where, c in self._called().items()]
@@ -184,9 +191,16 @@ class CoverageReport:
         if self.functions:
             lines += ["", "| function | origin | code from |", "|---|---|---|"]
             lines += [f"| `{f.name}` | {f.origin} | `{f.defined_by}` |" for f in self.functions]
-        if self.attention:
-            lines += ["", "| attention | instances | implementation | runs |", "|---|---|---|---|"]
-            lines += [f"| `{a.name}` | {a.count} | {a.implementation} | {a.path} |" for a in self.attention]
+        for kernel, section in self.sections.items():
+            if section.rows:
+                lines += [
+                    "",
+                    f"| {' | '.join((kernel, *section.columns))} |",
+                    "|---" * (1 + len(section.columns)) + "|",
+                ]
+                for row in section.rows:
+                    first, *rest = (str(value) for value in vars(row).values())
+                    lines.append(f"| `{first}` | {' | '.join(rest)} |")
         if self._called():
             lines += ["", "| target | calls |", "|---|---|"]
             lines += [f"| `{where}` | {describe_calls(c)} |" for where, c in self._called().items()]
@@ -345,14 +359,14 @@ def _reason_for(where, module, records):
         if target is None:
             return None, f"{rec.model} is {rec.state.value}, but this is not one of its targets"
         config = STATE.config
-        opt_in = target.kernel_name in OPT_IN_KERNELS
-        if config is not None and opt_in and not config.selects(target.kernel_name):
+        switch = getattr(target.kernel, "switch", None) or SWITCHES.get(target.kernel_name)
+        if config is not None and switch is not None and not config.selects(target.kernel):
             return ReasonCode.NO_KERNEL_SELECTED, (
-                f"the {target.kernel_name} kernel is opt-in: enable({target.kernel_name}=True) or "
-                f"NPU_AUTOPATCH_{target.kernel_name.upper()}=1"
+                f"the {target.kernel_name} kernel is opt-in: enable({switch}=True) or "
+                f"{_config.switch_variable(switch)}=1"
             )
         kernels = config.kernels if config is not None else None
-        if kernels is not None and not config.selects(target.kernel_name):
+        if kernels is not None and not config.selects(target.kernel):
             return ReasonCode.NO_KERNEL_SELECTED, (
                 f"the {target.kernel_name} kernel is not selected (enable(kernels=...) or "
                 f"NPU_AUTOPATCH_KERNELS: {', '.join(sorted(kernels))})"
@@ -367,14 +381,13 @@ def _target_at(model, module, where):
     """The Target of ``model`` that resolves to ``where`` in ``module``, or None."""
     for target in getattr(model, "targets", None) or ():
         found = _resolve.resolve(module, target.paths)
-        if found is not None and _resolve.where(module, found[1], found[0]) == where:
+        if found is not None and _resolve.where(module, found.owner, found.path) == where:
             return target
     return None
 
 
-def _probe_note(module, path, kind):
-    """What the probes say about an untargeted candidate: the kernel that fits, or why none."""
-    candidate = _candidates.probe(module, _candidates.Candidate(path, kind, module.__name__))
+def _probe_note(candidate):
+    """What the probes said about an untargeted candidate: the kernel that fits, or why none."""
     if candidate.kernel is not None:
         return (
             f"the probes say {candidate.kernel} reproduces it ({candidate.variant}): "
@@ -388,7 +401,7 @@ def _short(text, limit=160):
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _stock_flag(subject, where, module, path, kind, records, instance=None, via="forward"):
+def _stock_flag(subject, where, module, path, kind, records, hooks, instance=None, via="forward"):
     code, text = _reason_for(where, module, records)
     holds_ours = getattr(type(instance), _experts.ATTR, None) is not None
     if code is None and holds_ours and via.startswith("experts interface"):
@@ -401,10 +414,11 @@ def _stock_flag(subject, where, module, path, kind, records, instance=None, via=
         )
     if code is None and text.endswith(("not one of its targets", "not in the model table")):
         try:
-            text = f"{text}; {_probe_note(module, path, kind)}"
-            act = _other_activation(instance) if kind == "mlp" and instance is not None else None
-            if act is not None and "the probes say" in text:
-                text += f"; but its activation is {act}, not SiLU: that kernel would run the stock code"
+            candidate = _candidates.probe(module, _candidates.Candidate(path, kind, module.__name__))
+            text = f"{text}; {_probe_note(candidate)}"
+            why = _instance_stock(hooks.get(candidate.kernel), instance)
+            if why is not None:
+                text += f"; but {why}: that kernel would run the stock code"
         except Exception as exc:  # a probe that raises says nothing about the model itself
             text = f"{text}; the probe raised {type(exc).__name__}: {exc}"
     if code in _GATED:
@@ -415,17 +429,32 @@ def _stock_flag(subject, where, module, path, kind, records, instance=None, via=
 # --- the report --------------------------------------------------------------------------
 
 
+def _report_hooks():
+    """{kernel name: its Report} of every kernel that declares one (built in, or a registered model's)."""
+    return {
+        name: kernel.report for name, kernel in _candidates.kernels().items() if kernel.report is not None
+    }
+
+
+def _instance_stock(hook, instance):
+    """Why ``instance`` runs the stock code though its class runs the kernel of ``hook``, or None."""
+    if hook is None or hook.instance_stock is None or instance is None:
+        return None
+    return hook.instance_stock(instance)
+
+
 def report(model) -> CoverageReport:
     """What ``model`` (a live ``torch.nn.Module``) runs: ours, stock or foreign, per class and
     rotary function, and the flags (see this module's docstring)."""
     records = _control.status()
     ours = _Ours()
+    hooks = _report_hooks()
     groups: dict[type, list[tuple[str, object]]] = {}
     for name, instance in model.named_modules(remove_duplicate=True):
         groups.setdefault(type(instance), []).append((name or "<root>", instance))
     modules, flags, modeling, own = [], [], {}, {}
     for cls, instances in groups.items():
-        entry, entry_flags = _entry(cls, instances, ours)
+        entry, entry_flags = _entry(cls, instances, ours, hooks)
         modules.append(entry)
         flags += entry_flags
         home = sys.modules.get(cls.__module__)
@@ -449,7 +478,15 @@ def report(model) -> CoverageReport:
                 module = modeling[cls.__module__]
                 flags.append(
                     _stock_flag(
-                        cls.__qualname__, where, module, path, entry.kind, records, instances[0][1], entry.via
+                        cls.__qualname__,
+                        where,
+                        module,
+                        path,
+                        entry.kind,
+                        records,
+                        hooks,
+                        instances[0][1],
+                        entry.via,
                     )
                 )
         elif entry.runs.get(entry.origin) and not entry.via.startswith("experts interface"):
@@ -457,21 +494,26 @@ def report(model) -> CoverageReport:
     functions = []
     for module_name, module in {**modeling, **own}.items():
         for name, obj in sorted(vars(module).items()):
-            kind = _candidates._kind(
-                name, obj, linear_attention=True
-            )  # rope, or the chunked gated delta rule
-            if kind not in ("rope", "linear") or isinstance(obj, type):
+            if isinstance(obj, type):
+                continue
+            kind = _candidates.kind_of(name, obj, vars(module))  # rope, the chunked gated delta rule
+            if kind is None:
                 continue
             origin, defined_by, kernel = _origin(obj, ours)
             where = f"{module_name}:{name}"
             functions.append(FunctionEntry(where, origin, defined_by, kernel))
             if origin == STOCK and module_name in modeling:
-                flags.append(_stock_flag(where, where, module, name, kind, records))
+                flags.append(_stock_flag(where, where, module, name, kind, records, hooks))
             elif origin != OURS:
                 unpatched.append((where, module_name, name, obj, kind))
     flags += _unpatched_flags(unpatched, modeling, records)
-    flags += _loss_flags(groups, modules)
+    flags += _kernel_flags(groups, modules, hooks)
     config = getattr(model, "config", None)
+    sections = {
+        kernel: Section(hook.columns, list(hook.rows(groups, records)))
+        for kernel, hook in hooks.items()
+        if hook.rows is not None
+    }
     return CoverageReport(
         type(model).__qualname__,
         getattr(config, "model_type", None),
@@ -479,73 +521,23 @@ def report(model) -> CoverageReport:
         functions,
         flags,
         relevant,
-        _attention_paths(groups, records),
+        sections,
         {where: c for rec in relevant.values() for where, c in rec.calls.items()},
     )
 
 
-def _attention_paths(groups, records) -> list[AttentionEntry]:
-    """Each ``*Attention`` module class with a config: the implementation it asks for and what runs it.
-
-    FA2 on an NPU is transformers' Ascend functions; transformers calls the ones it loaded at its first
-    FA2 forward (``modeling_flash_attention_utils._flash_varlen_fn``), else the integration module's now.
-    """
-    entries = []
-    for cls, instances in groups.items():
-        implementation = getattr(getattr(instances[0][1], "config", None), "_attn_implementation", None)
-        if not cls.__name__.endswith("Attention") or implementation is None:
-            continue
-        path = implementation
-        if implementation == "flash_attention_2":
-            path = _flash_path(records)
-        entries.append(AttentionEntry(cls.__qualname__, len(instances), implementation, path))
-    return entries
-
-
-def _flash_path(records) -> str:
-    utils = sys.modules.get("transformers.modeling_flash_attention_utils")
-    integration = sys.modules.get("transformers.integrations.npu_flash_attention")
-    npu = sys.modules.get("transformers.utils")
-    if integration is None or npu is None or not npu.is_torch_npu_available():
-        return "flash_attention_2 (not the NPU path)"
-    function = getattr(utils, "_flash_varlen_fn", None) or integration.npu_flash_attn_varlen_func
-    home = getattr(function, "__module__", None) or "?"
-    if home == "npu_autopatch.kernels.attention":
-        record = records.get("npu_flash_attention")
-        variants = ", ".join(sorted(set(record.variants.values()))) if record is not None else "?"
-        failed = record is not None and record.code is ReasonCode.OP_FAILED
-        how = "fused op given up: unfused" if failed else variants
-        return f"FA2 on the NPU, patched (attention kernel: {how})"
-    if home == integration.__name__:
-        return "FA2 on the NPU, stock (drops sliding windows and sinks)"
-    return f"FA2 on the NPU, foreign ({home}.{getattr(function, '__qualname__', '?')})"
-
-
-def _loss_flags(groups, modules):
-    """Whose code computes the training loss, where a class running our loss kernel does not: an
-    instance ``forward`` set over it (TRL's SFTTrainer puts its chunked LM head there, and computes
-    the loss with it), or a head or loss function the kernel steps aside for (the stock loss)."""
-    from .kernels.loss import steps_aside
-
+def _kernel_flags(groups, modules, hooks):
+    """The flags the kernels raise about the instances of the classes running them (``Report.flags``:
+    the loss kernel says whose code computes the loss), each flag of the kernel's name."""
     flags = []
     for (cls, instances), entry in zip(groups.items(), modules, strict=True):
-        if entry.kernel != "loss":
+        hook = hooks.get(entry.kernel)
+        if hook is None or hook.flags is None:
             continue
         for name, instance in instances:
             subject = f"{cls.__qualname__} ({name})"
-            if "forward" in vars(instance):
-                hook = _defined_by(_function(vars(instance)["forward"]))
-                flags.append(
-                    Flag(
-                        "loss",
-                        subject,
-                        f"the loss is computed by the forward from {hook} set on this instance, not by ours, "
-                        "in the calls it does not pass on to the class's forward",
-                    )
-                )
-            why = steps_aside(instance)
-            if why is not None:
-                flags.append(Flag("loss", subject, f"the stock loss runs, with the logits: {why}"))
+            messages = hook.flags(instance, lambda code: _defined_by(_function(code)))
+            flags += [Flag(entry.kernel, subject, message) for message in messages]
     return flags
 
 
@@ -586,47 +578,33 @@ def _register_call(module_name, candidates):
     return f"npu_autopatch.register({model_type!r}, module={module_name!r}, targets=[{targets}])"
 
 
-def _other_activation(instance):
-    """The activation class name of an MLP instance that is not SiLU (the swiglu kernel then runs
-    the stock code for it, per instance), else None."""
-    from .kernels.mlp import _silu_types
-
-    act = getattr(instance, "act_fn", None) or getattr(instance, "activation_fn", None)
-    if act is None or type(act) in _silu_types():
-        return None
-    return type(act).__name__
-
-
 def _holds_experts(instance):
     """Whether an MoE-looking module contains another MoE-looking module (5.x: block -> experts)."""
     return any(
-        _candidates._kind(type(sub).__name__, type(sub)) == "moe"
+        _candidates.kind_of(type(sub).__name__, type(sub)) == "moe"
         for name, sub in instance.named_modules()
         if name
     )
 
 
-def _entry(cls, instances, ours):
+def _entry(cls, instances, ours, hooks):
     """The ModuleEntry of one class and the flags of its captured instances."""
-    home = vars(sys.modules.get(cls.__module__, sys))
-    linear_attention = any(_candidates._LINEAR_ATTENTION in name for name in home)
-    kind = _candidates._kind(cls.__name__, cls, linear_attention)
-    if kind == "rope":
-        kind = None
+    kind = _candidates.kind_of(cls.__name__, cls, vars(sys.modules.get(cls.__module__, sys)))
     forward = cls.forward
     is_experts = _experts.interface_of(forward) is not None
     if not is_experts:
         origin, via, defined_by, kernel = _class_origin(cls, ours)
     runs = collections.Counter()
     captured: dict[tuple[str, str, str], list[str]] = {}
-    fallback: dict[str, list[str]] = {}  # activation -> instances our swiglu leaves to the stock code
+    fallback: dict[str, list[str]] = {}  # why -> instances the kernel leaves to the stock code (Report)
     for name, instance in instances:
         if is_experts:
             origin, via, defined_by, kernel = _experts_origin(instance, forward, ours)
         runs_origin = origin
-        if origin == OURS and kernel == "swiglu" and _other_activation(instance):
+        why = _instance_stock(hooks.get(kernel), instance) if origin == OURS else None
+        if why is not None:
             runs_origin = STOCK
-            fallback.setdefault(_other_activation(instance), []).append(name)
+            fallback.setdefault(why, []).append(name)
         inner = _captured(instance)
         if inner is not None:
             inner_origin, inner_module, _kernel = _origin(inner, ours)
@@ -657,8 +635,8 @@ def _entry(cls, instances, ours):
             ),
         }[kind_of]
         flags.append(Flag(kind_of, cls.__qualname__, f"{len(names)} instance(s): {message}", None, names))
-    for act, names in fallback.items():
-        message = f"{len(names)} instance(s) run stock code: their activation is {act}, not SiLU"
+    for why, names in fallback.items():
+        message = f"{len(names)} instance(s) run stock code: {why}"
         flags.append(Flag("stock", cls.__qualname__, message, None, names))
     entry = ModuleEntry(
         cls.__qualname__, cls.__module__, len(instances), origin, via, defined_by, kind, kernel, dict(runs)

@@ -10,6 +10,7 @@ real directory. Never by comparing path strings, which differ through a symlinke
 site-packages or a relative ``sys.path`` entry.
 """
 
+import collections
 import os
 import sys
 
@@ -32,8 +33,13 @@ def where(module, owner, path):
     return f"{module.__name__}:{path}"
 
 
+# A target found in a module: the path that exists, the object holding the attribute, its name, what
+# it holds now, and whether the owner defines it itself (False: a class inherits it).
+Found = collections.namedtuple("Found", "path owner attr current had_own")
+
+
 def resolve(module, paths):
-    """(path, owner, attr, current, had_own) for the first path that exists, else None."""
+    """The ``Found`` of the first of ``paths`` that exists in ``module``, else None."""
     for path in paths:
         *owner_path, attr = path.split(".")
         owner = module
@@ -47,7 +53,7 @@ def resolve(module, paths):
                 had_own, found = True, getattr(owner, attr)
         except AttributeError:
             continue
-        return path, owner, attr, found, had_own
+        return Found(path, owner, attr, found, had_own)
     return None
 
 

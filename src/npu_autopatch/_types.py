@@ -4,25 +4,7 @@ Pure data, importable at interpreter start (no torch, no typing, no dataclasses)
 table (models.py), plugins and register() all declare models with these.
 """
 
-# The built-in kernels, in the order they are reported. The kernels package implements them.
-KERNEL_NAMES = (
-    "rms_norm",
-    "gated_rms_norm",
-    "swiglu",
-    "rope",
-    "moe",
-    "attention",
-    "gated_delta_rule",
-    "loss",
-)
-# Kernels that change what a forward returns (the loss kernel's ``logits=None``): never on by
-# default nor through ``kernels=``; each has its own switch (enable(loss=True), NPU_AUTOPATCH_LOSS).
-OPT_IN_KERNELS = ("loss",)
-# Kernels that make another library's own NPU patch step aside for ours (integrations/): on by
-# default, outside ``kernels=``, with one switch of their own (enable(step_aside=False),
-# NPU_AUTOPATCH_STEP_ASIDE=0). An entry whose targets all take one is selected by that switch alone.
-STEP_ASIDE_KERNELS = ("step_aside",)
-
+from .kernels._catalog import NAMES as BUILTIN_KERNELS  # torch-free: the kernels' names, in report order
 
 # A target's calls "mostly go stock" (Calls' one-time report) once more than 1 in
 # MOSTLY_STOCK_SHARE of at least MOSTLY_STOCK_CALLS calls ran the stock code.
@@ -94,15 +76,70 @@ class Variant:
     agree, else why not. ``probe=None`` trusts the variant without checking (for a
     plugin's own kernel; the parity test is then the only proof). ``requires(npu)``, when
     given, returns None if the installed torch_npu can run this variant, else why not.
+
+    ``probe_live()``, when given, returns True when a shipped verdict cannot speak for this
+    variant here: its probe depends on an optional package our CI lacks (the gated delta rule's
+    ``fla`` variant) and that package is installed, so the targets are probed live.
     """
 
-    __slots__ = ("build", "name", "probe", "requires")
+    __slots__ = ("build", "name", "probe", "probe_live", "requires")
 
-    def __init__(self, name, build, probe=None, requires=None):
+    def __init__(self, name, build, probe=None, requires=None, probe_live=None):
         self.name = name
         self.build = build
         self.probe = probe
         self.requires = requires
+        self.probe_live = probe_live
+
+
+class Pattern:
+    """How the scan and discovery nominate a kernel's candidate targets by name; the probes decide.
+
+    ``kind`` names the candidates (kernels whose patterns share a kind judge the same candidates,
+    in catalogue order: a norm is tried as ``rms_norm``, then ``gated_rms_norm``). ``classes``: a
+    regular expression searched in the name of a ``torch.nn.Module`` subclass, whose ``methods``
+    (the ones it defines itself, of those given) are the candidates; ``not_named``: a class whose
+    name it matches is not one (an MLP pattern leaves experts out). ``functions``: a regular
+    expression searched in the name of a module-level function, the candidate itself.
+    ``only_beside``: the pattern applies only in a module that has a name containing this text
+    (a decoder layer is a candidate only beside a Gated DeltaNet layer).
+    """
+
+    __slots__ = ("classes", "functions", "kind", "methods", "not_named", "only_beside")
+
+    def __init__(
+        self, kind, classes=None, functions=None, methods=("forward",), not_named=None, only_beside=None
+    ):
+        self.kind = kind
+        self.classes = classes
+        self.functions = functions
+        self.methods = tuple(methods)
+        self.not_named = not_named
+        self.only_beside = only_beside
+
+
+class Report:
+    """What ``report(model)`` shows of a kernel beyond what it reads itself (each class's and rotary
+    function's origin: ours, stock or foreign). Every hook is optional, and must not raise.
+
+    ``instance_stock(instance)``: why an instance of a class running this kernel still runs the
+    stock code (the swiglu kernel: an activation other than SiLU), else None; also said of a
+    candidate this kernel's probes accept, as what the kernel would then run.
+    ``flags(instance, defined_by)``: messages about an instance of a class running this kernel (the
+    loss kernel: whose code computes the loss); ``defined_by(code)`` names the module code is from.
+    ``rows(classes, records)``: the rows of this kernel's own table in the report (the attention
+    kernel: per attention class, the implementation its config picks and what computes it), from
+    ``{class: [(module name, instance)]}`` of the model and status(); each row an object whose
+    attributes are the columns, the first naming the class; ``columns``: the other columns' titles.
+    """
+
+    __slots__ = ("columns", "flags", "instance_stock", "rows")
+
+    def __init__(self, instance_stock=None, flags=None, rows=None, columns=()):
+        self.instance_stock = instance_stock
+        self.flags = flags
+        self.rows = rows
+        self.columns = tuple(columns)
 
 
 class Kernel:
@@ -122,17 +159,64 @@ class Kernel:
     put back, under the package lock: for a kernel whose targets someone else caches (transformers
     keeps the flash-attention functions it loaded), it points that cache at what the target holds
     now. It must be quick and must not raise.
+
+    ``switch``, when given, puts the kernel under a switch of its own, outside ``kernels=``:
+    ``enable(<switch>=...)`` or ``NPU_AUTOPATCH_<SWITCH>``. Off unless turned on for an opt-in kernel
+    (it changes what a forward returns, as the loss kernel's ``logits=None``); with
+    ``switched_on=True``, on unless turned off (integrations/verl.py: another library's own NPU patch
+    giving way to ours, which a user may want back). An entry of the table whose targets all take
+    switched-on kernels is selected by their switch alone, whatever ``models=`` lists: such a kernel
+    acts for the selected models (verl's patch steps aside for exactly those). A built-in kernel's
+    switch is also written in ``kernels/_catalog.py``, where interpreter start reads it without torch.
+
+    ``candidates``: the ``Pattern``s by which the scan and discovery nominate code this kernel's
+    probes then judge (none: the kernel patches only the targets a model names).
+
+    ``report``: a ``Report``, what report(model) shows of this kernel beyond each class's origin.
+
+    ``reference``: {op name: CPU function} for the kernel's ops that ``kernels/_reference`` (the
+    reference math of the built-in kernels' ops) has not: the probes build candidates on these.
     """
 
-    __slots__ = ("fallback", "name", "ops", "refresh", "requires", "variants")
+    __slots__ = (
+        "candidates",
+        "fallback",
+        "name",
+        "ops",
+        "reference",
+        "refresh",
+        "report",
+        "requires",
+        "switch",
+        "switched_on",
+        "variants",
+    )
 
-    def __init__(self, name, ops, variants, requires=None, fallback=None, refresh=None):
+    def __init__(
+        self,
+        name,
+        ops,
+        variants,
+        requires=None,
+        fallback=None,
+        refresh=None,
+        switch=None,
+        switched_on=False,
+        candidates=(),
+        report=None,
+        reference=None,
+    ):
         self.name = name
+        self.reference = dict(reference or {})
+        self.candidates = tuple(candidates)
+        self.report = report
         self.ops = tuple(ops)
         self.variants = tuple(variants)
         self.requires = requires
         self.fallback = fallback
         self.refresh = refresh
+        self.switch = switch
+        self.switched_on = switched_on
 
 
 class Target:
@@ -146,8 +230,8 @@ class Target:
     __slots__ = ("kernel", "paths", "since")
 
     def __init__(self, kernel, *paths, since=None):
-        if not isinstance(kernel, Kernel) and kernel not in KERNEL_NAMES:
-            raise ValueError(f"unknown kernel {kernel!r}; built in: {', '.join(KERNEL_NAMES)}")
+        if not isinstance(kernel, Kernel) and kernel not in BUILTIN_KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; built in: {', '.join(BUILTIN_KERNELS)}")
         if not paths:
             raise ValueError("a Target needs at least one path, e.g. 'MyModelRMSNorm.forward'")
         self.kernel = kernel
@@ -201,7 +285,7 @@ class Model:
     @property
     def kernels(self):
         names = [t.kernel_name for t in self.targets]
-        return tuple(sorted(set(names), key=lambda n: (KERNEL_NAMES + tuple(names)).index(n)))
+        return tuple(sorted(set(names), key=lambda n: (BUILTIN_KERNELS + tuple(names)).index(n)))
 
     def __repr__(self):
         return f"Model({self.model_type!r}, {len(self.targets)} targets)"

@@ -129,4 +129,6 @@ def build(stock, npu, on_error):
     return apply_npu_patches
 
 
-STEP_ASIDE = Kernel("step_aside", (), [Variant("verl_npu_patches", build, probe)])
+STEP_ASIDE = Kernel(
+    "step_aside", (), [Variant("verl_npu_patches", build, probe)], switch="step_aside", switched_on=True
+)

@@ -37,21 +37,9 @@ _SIMPLE = (int, float, complex, str, bytes, bool, type(None))
 _DEPTH = 3  # helper functions followed this deep (measured: no two verdicts for one fingerprint)
 _FUNCTION = types.FunctionType
 
-# The sources a shipped verdict depends on: the fingerprint, the probes, the reference math, the variants.
-_SOURCES = (
-    "__init__.py",
-    "_fingerprint.py",
-    "_probe.py",
-    "_reference.py",
-    "norm.py",
-    "mlp.py",
-    "rope.py",
-    "moe.py",
-    "attention.py",
-    "loss.py",
-    "linear_attention.py",
-    "gated_delta_scan.py",
-)
+# The package whose modules a shipped verdict can depend on (see sources()); the mechanism's own
+# modules (the package root's ``_*.py``) are not among them.
+_PACKAGE = __name__.rpartition(".")[0].rpartition(".")[0]
 
 # {kernel name: its variants} as the package defines them (kernels/__init__ fills it at import):
 # a shipped verdict is for those variant objects, not for a plugin's or a test's replacement.
@@ -158,15 +146,52 @@ def fingerprint(stock):
     return digest
 
 
+def _is_source(name):
+    """Whether module ``name`` is code a verdict depends on: the package's, but not the mechanism's."""
+    if not name.startswith(_PACKAGE + "."):
+        return False
+    return not name[len(_PACKAGE) + 1 :].startswith("_")
+
+
+def _module_of(value):
+    if isinstance(value, types.ModuleType):
+        return value.__name__
+    return getattr(value, "__module__", None) if isinstance(value, (_FUNCTION, type)) else None
+
+
+def sources():
+    """The modules a shipped verdict depends on, derived from the built-in kernels, not listed by hand:
+    the modules defining their variants, requirements, fallbacks and refreshes, and every module of
+    the package those refer to (the probes' helpers, the reference math, a shared module such as
+    ``gated_delta_scan`` or ``losses``), with this fingerprint and the variant chooser. Sorted by name."""
+    roots = {__name__, f"{__name__.rpartition('.')[0]}._choose"}
+    for variants in BUILTIN.values():
+        for variant in variants:
+            functions = (variant.build, variant.probe, variant.requires, variant.probe_live)
+            roots.update(_module_of(f) for f in functions)
+    found, todo = set(), [name for name in roots if name and _is_source(name)]
+    while todo:
+        name = todo.pop()
+        if name in found or name not in sys.modules:
+            continue
+        found.add(name)
+        for value in vars(sys.modules[name]).values():
+            referred = _module_of(value)
+            if referred and _is_source(referred) and referred not in found:
+                todo.append(referred)
+    return sorted(found)
+
+
 def kernels_digest():
     """A digest of the kernels' sources: a shipped verdict is only as good as the probe that made it."""
     global _digest
     if _digest is None:
-        here = os.path.dirname(os.path.abspath(__file__))
+        if not BUILTIN:
+            raise RuntimeError("the kernels' digest needs the built-in kernels: load kernels.KERNELS first")
         h = hashlib.blake2b(digest_size=12)
         h.update(f"python {sys.version_info[0]}.{sys.version_info[1]}".encode())  # bytecode differs
-        for name in _SOURCES:
-            with open(os.path.join(here, name), "rb") as source:
+        for name in sources():
+            with open(sys.modules[name].__file__, "rb") as source:
                 h.update(source.read().replace(b"\r\n", b"\n"))
         _digest = h.hexdigest()
     return _digest
@@ -184,8 +209,8 @@ def shipped(kernel, print_, stock):
     from . import _verdicts
 
     builtin = BUILTIN.get(kernel.name, ())
-    if kernels_digest() != _verdicts.KERNELS_DIGEST or not all(v in builtin for v in kernel.variants):
-        return None  # other kernel code, or a kernel that is not (a narrowing of) ours
+    if not all(v in builtin for v in kernel.variants) or kernels_digest() != _verdicts.KERNELS_DIGEST:
+        return None  # a kernel that is not (a narrowing of) ours, or other kernel code
     name = _verdicts.VERDICTS.get(kernel.name, {}).get(print_)
     # Not among the allowed variants (a torch_npu too old for it): the next one must be probed.
     variant = next((v for v in kernel.variants if v.name == name), None)
@@ -193,7 +218,7 @@ def shipped(kernel, print_, stock):
         # An earlier variant whose probe depends on an installed package our CI lacks (fla), and
         # that package is here: the CI's verdict did not see it, so probe live.
         earlier = kernel.variants[: kernel.variants.index(variant)]
-        if any(getattr(v.probe, "installed", lambda: False)() for v in earlier):
+        if any(v.probe_live is not None and v.probe_live() for v in earlier):
             return None
         return variant, None
     if name is None and tuple(kernel.variants) == builtin:  # the reason lists every variant's

@@ -34,10 +34,11 @@ import math
 import sys
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 
-from .._types import Kernel, Variant
+from .._types import Kernel, Report, Variant
 from ._calls import counters
 from ._probe import agree, first_disagreement, generator, randn, signature_reason
 from ._requirements import sink_requirement
@@ -441,6 +442,51 @@ def _refresh_transformers_cache():
         utils._process_flash_kwargs_fn = utils._lazy_define_process_function(utils._flash_varlen_fn)
 
 
+@dataclass
+class AttentionEntry:
+    """One attention module class of a model, for report(): the implementation its config picks and
+    the code that computes it (FA2 on the NPU: transformers' Ascend functions, ours or stock)."""
+
+    name: str  # the class's qualified name
+    count: int  # instances in the model
+    implementation: str  # config._attn_implementation: flash_attention_2, sdpa, eager, ...
+    path: str  # what runs, in words
+
+
+def _report_rows(classes, records) -> list[AttentionEntry]:
+    """For report(): each ``*Attention`` module class with a config, the implementation it asks for
+    and what runs it. FA2 on an NPU is transformers' Ascend functions; transformers calls the ones it
+    loaded at its first FA2 forward (``modeling_flash_attention_utils._flash_varlen_fn``), else the
+    integration module's now."""
+    entries = []
+    for cls, instances in classes.items():
+        implementation = getattr(getattr(instances[0][1], "config", None), "_attn_implementation", None)
+        if not cls.__name__.endswith("Attention") or implementation is None:
+            continue
+        path = _flash_path(records) if implementation == "flash_attention_2" else implementation
+        entries.append(AttentionEntry(cls.__qualname__, len(instances), implementation, path))
+    return entries
+
+
+def _flash_path(records) -> str:
+    utils = sys.modules.get("transformers.modeling_flash_attention_utils")
+    integration = sys.modules.get(_INTEGRATION)
+    npu = sys.modules.get("transformers.utils")
+    if integration is None or npu is None or not npu.is_torch_npu_available():
+        return "flash_attention_2 (not the NPU path)"
+    function = getattr(utils, "_flash_varlen_fn", None) or integration.npu_flash_attn_varlen_func
+    home = getattr(function, "__module__", None) or "?"
+    if home == __name__:
+        record = records.get("npu_flash_attention")
+        variants = ", ".join(sorted(set(record.variants.values()))) if record is not None else "?"
+        failed = record is not None and record.code == "op-failed"  # status()'s ReasonCode.OP_FAILED
+        how = "fused op given up: unfused" if failed else variants
+        return f"FA2 on the NPU, patched (attention kernel: {how})"
+    if home == integration.__name__:
+        return "FA2 on the NPU, stock (drops sliding windows and sinks)"
+    return f"FA2 on the NPU, foreign ({home}.{getattr(function, '__qualname__', '?')})"
+
+
 ATTENTION = Kernel(
     "attention",
     ("npu_fusion_attention",),
@@ -456,4 +502,5 @@ ATTENTION = Kernel(
         Variant("unpad_once", _build_unpad_once, _probe_unpad_once),
     ),
     refresh=_refresh_transformers_cache,
+    report=Report(rows=_report_rows, columns=("n", "implementation", "runs")),
 )

@@ -57,7 +57,7 @@ import sys
 
 import torch
 
-from .._types import Kernel, Variant
+from .._types import Kernel, Pattern, Variant
 from ._calls import counters
 from ._probe import (
     agree_strict,
@@ -237,8 +237,9 @@ def _probe_fla(stock, candidate):
     return _probe_chunk_scan(getattr(stock, "__wrapped__", stock), candidate)
 
 
-# The shipped verdicts were probed without fla: with one installed, the targets are probed live.
-_probe_fla.installed = lambda: _fla_rule()[1] is None
+def _fla_installed():
+    """The shipped verdicts were probed without fla: with one installed, the targets are probed live."""
+    return _fla_rule()[1] is None
 
 
 def _build_chunk_scan(stock, npu, on_error, counted=True):
@@ -425,8 +426,14 @@ GATED_DELTA_RULE = Kernel(
     "gated_delta_rule",
     (),
     (
-        Variant("fla", _build_fla, _probe_fla),
+        Variant("fla", _build_fla, _probe_fla, probe_live=_fla_installed),
         Variant("chunk-scan", _build_chunk_scan, _probe_chunk_scan),
         Variant("decoder-layer", _build_decoder_layer, _probe_decoder_layer),
+    ),
+    # Only in a module with a Gated DeltaNet layer: its decoder layer's forward (packed sequences
+    # kept apart) and its chunked gated delta rule.
+    candidates=(
+        Pattern("linear", classes=r"DecoderLayer$", only_beside="GatedDeltaNet"),
+        Pattern("linear", functions=rf"^{CHUNK_FUNCTION}$", only_beside="GatedDeltaNet"),
     ),
 )

@@ -39,7 +39,7 @@ import threading
 
 import torch
 
-from .._types import Kernel, Variant
+from .._types import Kernel, Report, Variant
 from ..losses import linear_cross_entropy
 from ._calls import counters
 from ._probe import _set, agree_strict, first_disagreement, generator, linear, parameters, randn
@@ -65,6 +65,23 @@ def steps_aside(model) -> str | None:
     if why is None and getattr(model, "loss_function", None) is not _stock_loss_function():
         why = "its loss_function is not transformers' ForCausalLMLoss"
     return why
+
+
+def _report_flags(model, defined_by) -> list[str]:
+    """For report(): whose code computes the training loss of an instance of a class running this
+    kernel, where it is not ours: an instance ``forward`` set over it (TRL's SFTTrainer puts its
+    chunked LM head there, and computes the loss with it), or a head or loss function the kernel
+    steps aside for (the stock loss)."""
+    flags = []
+    if "forward" in vars(model):
+        flags.append(
+            f"the loss is computed by the forward from {defined_by(vars(model)['forward'])} set on this "
+            "instance, not by ours, in the calls it does not pass on to the class's forward"
+        )
+    why = steps_aside(model)
+    if why is not None:
+        flags.append(f"the stock loss runs, with the logits: {why}")
+    return flags
 
 
 def _stock_loss_function():
@@ -309,4 +326,6 @@ def _probe(stock, candidate):
     return first_disagreement(compare({}), compare({"num_items_in_batch": torch.tensor(5)}))
 
 
-LOSS = Kernel("loss", (), (Variant("chunked", _build, _probe),))
+LOSS = Kernel(
+    "loss", (), (Variant("chunked", _build, _probe),), switch="loss", report=Report(flags=_report_flags)
+)

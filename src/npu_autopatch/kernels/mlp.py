@@ -15,7 +15,7 @@ torch_npu-npu_swiglu.md), e.g. a rank whose micro-batch has no tokens.
 
 import torch
 
-from .._types import Kernel, Variant
+from .._types import Kernel, Pattern, Report, Variant
 from ._calls import counters
 from ._probe import agree_strict, generator, instance, linear, randn, with_stock_names
 from ._requirements import swiglu_requirement
@@ -30,6 +30,14 @@ def _silu_types():
     except ImportError:  # transformers 4.x maps "silu" to torch.nn.SiLU
         pass
     return frozenset(types_)
+
+
+def _activation_stock(instance):
+    """For report(): why an MLP instance runs the stock code (its activation is not SiLU), else None."""
+    act = getattr(instance, "act_fn", None) or getattr(instance, "activation_fn", None)
+    if act is None or type(act) in _silu_types():
+        return None
+    return f"its activation is {type(act).__name__}, not SiLU"
 
 
 def _stock_rule(activation, silu_types):
@@ -111,4 +119,13 @@ SWIGLU = Kernel(
         Variant("fused-gate-up", _build_fused, _probe_fused),
     ),
     requires=swiglu_requirement,
+    report=Report(instance_stock=_activation_stock),
+    # An experts or MoE block is the moe kernel's candidate, whatever else its name says.
+    candidates=(
+        Pattern(
+            "mlp",
+            classes=r"(MLP|Mlp|FeedForward|FFN|Ffn)",
+            not_named=r"Experts|(SparseMoeBlock|SparseMoE|MoE|Moe|MoEBlock|MoeBlock)$",
+        ),
+    ),
 )

@@ -80,7 +80,7 @@ import types
 
 import torch
 
-from .._types import Kernel, Variant
+from .._types import Kernel, Pattern, Variant
 from ._calls import counters
 from ._probe import (
     agree_strict,
@@ -498,4 +498,12 @@ MOE = Kernel(
         Variant("moe-method", _build_moe_method, _probe_moe_method),
     ),
     requires=moe_requirement,
+    # An MoE block's forward, and 4.x DeepSeek-V3's ``moe`` method where it has one.
+    candidates=(
+        Pattern(
+            "moe",
+            classes=r"(Experts|SparseMoeBlock|SparseMoE|MoE|Moe|MoEBlock|MoeBlock)$",
+            methods=("forward", "moe"),
+        ),
+    ),
 )

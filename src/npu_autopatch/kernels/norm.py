@@ -25,7 +25,7 @@ is the llama-style norm times silu(gate) in fp32, cast to the input dtype.
 
 import torch
 
-from .._types import Kernel, Variant
+from .._types import Kernel, Pattern, Variant
 from ._calls import counters
 from ._probe import (
     BFLOAT16,
@@ -125,6 +125,9 @@ def _probe_zero_centred(stock, candidate):
     return _probe_norm(stock, candidate, eps=1e-6)
 
 
+# Every RMSNorm-looking class is a candidate of both norm kernels: the plain one is tried first.
+NORMS = Pattern("norm", classes=r"RMSNorm")
+
 RMS_NORM = Kernel(
     "rms_norm",
     ("npu_rms_norm",),
@@ -133,6 +136,7 @@ RMS_NORM = Kernel(
         Variant("zero-centred", _build_zero_centred, _probe_zero_centred),
         Variant("cast-once", _build_cast_once, _probe_llama),
     ),
+    candidates=(NORMS,),
 )
 
 
@@ -177,4 +181,6 @@ def _probe_gated(stock, candidate):
     return agree_strict(lambda: stock(norm, x, gate), lambda: candidate(norm, x, gate))
 
 
-GATED_RMS_NORM = Kernel("gated_rms_norm", ("npu_rms_norm",), (Variant("silu", _build_gated, _probe_gated),))
+GATED_RMS_NORM = Kernel(
+    "gated_rms_norm", ("npu_rms_norm",), (Variant("silu", _build_gated, _probe_gated),), candidates=(NORMS,)
+)

@@ -52,7 +52,7 @@ import functools
 
 import torch
 
-from .._types import Kernel, Variant
+from .._types import Kernel, Pattern, Variant
 from ._calls import counters
 from ._probe import (
     BFLOAT16,
@@ -527,4 +527,5 @@ ROPE = Kernel(
         Variant("mrope", _build_mrope, _probe_mrope),
         Variant("vision", _build_vision, _probe_vision),
     ),
+    candidates=(Pattern("rope", functions=r"^apply_\w*rotary"),),
 )

@@ -29,9 +29,8 @@ def table_targets(extra=()):
         for target in present_targets(model.targets):
             found = _resolve.resolve(module, target.paths)
             if found is not None:
-                path, current = found[0], found[3]
-                stock = _resolve.stock_function(current) or current
-                yield f"{model.model_type}: {path}", KERNELS[target.kernel], stock
+                stock = _resolve.stock_function(found.current) or found.current
+                yield f"{model.model_type}: {found.path}", KERNELS[target.kernel], stock
 
 
 def candidate_targets():

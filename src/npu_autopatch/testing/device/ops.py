@@ -6,8 +6,8 @@ host-side tiling checks (hicann/ops-transformer), the op-plugin adapters (Ascend
 release branch), and where no source check exists, the op documentation (``torch_npu_ops.md`` §N,
 op-plugin's docs). What changed between release lines is a field of the profile (profiles.py).
 The testing harness (``testing._library``) registers these functions as torch.library ops, one
-namespace per profile. Ops no kernel calls are not modelled, except the attention op the coming
-attention kernel needs (attention.py).
+namespace per profile. Ops no kernel calls are not modelled; the attention kernel's op is in
+attention.py.
 
 Two kinds of error are raised on purpose (common.py):
 

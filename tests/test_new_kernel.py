@@ -1,0 +1,83 @@
+"""A complete new kernel from files of its own (tests/acme_kernel): a new op on the stand-in, its rows
+and a flag in report(), an opt-in switch, discovery patterns; it patches a real model and passes the
+parity harness with no change to the mechanism (issue 26)."""
+
+import pytest
+from transformers.models.mistral import modeling_mistral
+
+import npu_autopatch
+from npu_autopatch import Model, Target, _candidates, _config, models
+from npu_autopatch.testing.parity import check_parity, tiny_model
+
+from .acme_kernel import OP, ROTARY_TABLE
+
+ROTARY = Target(ROTARY_TABLE, "LlamaRotaryEmbedding.forward")
+
+
+@pytest.fixture
+def acme(npu_stand_in):
+    """The stand-in with the new op (counted as its own ops are), and llama's table entry with the new
+    kernel's target added; both taken back after the test."""
+
+    def cos_sin(emb):
+        npu_stand_in.calls[OP] += 1
+        return emb.cos(), emb.sin()
+
+    setattr(npu_stand_in, OP, cos_sin)
+    saved = models.MODELS["llama"]
+    npu_autopatch.register(Model("llama", *saved.targets, ROTARY, module=saved.module), replace=True)
+    yield npu_stand_in
+    npu_autopatch.disable()
+    npu_autopatch.unregister("llama")  # the built-in entry comes back
+    assert models.MODELS["llama"] is saved
+
+
+def test_the_switch_is_opt_in_and_named_by_the_kernel(acme, monkeypatch):
+    npu_autopatch.enable(models=["llama"])
+    assert "rotary_table" not in npu_autopatch.status()["llama"].kernels  # off by default
+    npu_autopatch.enable(models=["llama"], rotary_table=True)
+    record = npu_autopatch.status()["llama"]
+    assert record.state == "applied" and "rotary_table" in record.kernels, record
+    assert (
+        record.variants["transformers.models.llama.modeling_llama:LlamaRotaryEmbedding.forward"] == "cos-sin"
+    )
+    npu_autopatch.disable()
+    monkeypatch.setenv(_config.switch_variable("rotary_table"), "1")
+    assert _config.switch_variable("rotary_table") == "NPU_AUTOPATCH_ROTARY_TABLE"
+    npu_autopatch.enable(models=["llama"])
+    assert "rotary_table" in npu_autopatch.status()["llama"].kernels
+    with pytest.raises(TypeError, match="rotary_tabel"):
+        npu_autopatch.enable(rotary_tabel=True)
+
+
+def test_it_passes_the_parity_harness(acme, monkeypatch):
+    monkeypatch.setenv("NPU_AUTOPATCH_ROTARY_TABLE", "1")  # the harness enables as a user would
+    report = check_parity("llama", npu=acme)
+    assert report.passed, report
+    assert "rotary_table" in report.kernels
+    assert report.ops_called.get(OP, 0) > 0, report.ops_called
+
+
+def test_report_shows_its_rows_and_flags(acme):
+    model = tiny_model("llama")
+    model.model.rotary_emb.attention_scaling = 0.5
+    npu_autopatch.enable(models=["llama"], rotary_table=True)
+    coverage = npu_autopatch.report(model)
+    assert [(row.name, row.count, row.scaling) for row in coverage.rotary_table] == [
+        ("LlamaRotaryEmbedding", 1, "0.5")
+    ]
+    entry = next(e for e in coverage.modules if e.name == "LlamaRotaryEmbedding")
+    assert (entry.origin, entry.kernel) == ("ours", "rotary_table")
+    assert [f.message for f in coverage.flags if f.kind == "rotary_table"] == ["its table is scaled by 0.5"]
+    assert "rotary_table" in coverage.as_dict() and "| rotary_table | n | scaling |" in coverage.markdown()
+
+
+def test_discovery_nominates_its_candidates(acme):
+    found = {c.path: c.kind for c in _candidates.candidates(modeling_mistral)}
+    assert found["MistralRotaryEmbedding.forward"] == "rotary_table"
+    assert _candidates.kernels_for("rotary_table") == ("rotary_table",)
+    candidate = _candidates.probe(
+        modeling_mistral,
+        _candidates.Candidate("MistralRotaryEmbedding.forward", "rotary_table", modeling_mistral.__name__),
+    )
+    assert (candidate.kernel, candidate.variant) == ("rotary_table", "cos-sin")

@@ -4,6 +4,7 @@ parity harness with no change to the mechanism (issue 26)."""
 
 import pytest
 import transformers
+from transformers.models.llama import modeling_llama  # noqa: F401 - imported, so enable() patches it
 from transformers.models.mistral import modeling_mistral
 
 import npu_autopatch

@@ -82,21 +82,25 @@ CHILD = textwrap.dedent(
         positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
         cu = torch.tensor([0, 6, 14], dtype=torch.int32)
         varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 8, "max_length_k": 8}
-        errors = {}
+        errors, outputs = {}, {}
         for context, make in CONTEXTS.items():
             for model in (fa, eager):
                 model.eval()
             with make():
                 valid = mask.bool()
-                errors[f"{context}/padded"] = rel(
-                    fa(ids, attention_mask=mask).logits[valid], eager(ids, attention_mask=mask).logits[valid]
-                )
                 alone = torch.cat([eager(chunk).logits for chunk in packed.split(lengths, dim=1)], dim=1)
-                errors[f"{context}/packed"] = rel(fa(packed, position_ids=positions).logits, alone)
-                errors[f"{context}/cu_seq_lens"] = rel(
-                    fa(packed, position_ids=positions, **varlen).logits, alone
+                outputs[context] = (
+                    fa(ids, attention_mask=mask).logits[valid],
+                    fa(packed, position_ids=positions).logits,
+                    fa(packed, position_ids=positions, **varlen).logits,
                 )
-        return errors
+                padded_eager = eager(ids, attention_mask=mask).logits[valid]
+                errors[f"{context}/padded"] = rel(outputs[context][0], padded_eager)
+                errors[f"{context}/packed"] = rel(outputs[context][1], alone)
+                errors[f"{context}/cu_seq_lens"] = rel(outputs[context][2], alone)
+        # inference_mode gives exactly what no_grad gives (the same ops, no cache to differ by)
+        same = all(torch.equal(a, b) for a, b in zip(outputs["inference_mode"], outputs["no_grad"]))
+        return errors, same
 
 
     with stand_in() as npu:
@@ -123,7 +127,7 @@ CHILD = textwrap.dedent(
         eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
         eager.load_state_dict(fa.state_dict())
         attention_before = npu.calls["npu_fusion_attention"]
-        attention = attention_cases(fa, eager, cfg.vocab_size)
+        attention, inference_equals_no_grad = attention_cases(fa, eager, cfg.vocab_size)
         attention_calls = npu.calls["npu_fusion_attention"] - attention_before
 
     print("RESULT" + json.dumps({
@@ -133,6 +137,7 @@ CHILD = textwrap.dedent(
         "fused": fused,
         "attention": attention,
         "attention_calls": attention_calls,
+        "inference_equals_no_grad": inference_equals_no_grad,
         "flash_attention_state": npu_autopatch.status()["npu_flash_attention"].state.value,
     }))
     """
@@ -177,6 +182,7 @@ def test_every_forward_and_training_step_matches_stock(result, context):
 @pytest.mark.parametrize("context", list(TOLERANCE))
 def test_flash_attention_on_the_npu_matches_eager_for_padded_and_packed_batches(result, context):
     assert result["flash_attention_state"] == "applied"
+    assert result["inference_equals_no_grad"] is True
     # two layers, three forwards, four contexts: every call reached the fused op
     assert result["attention_calls"] == 2 * 3 * len(TOLERANCE)
     errors = {key: error for key, error in result["attention"].items() if key.startswith(f"{context}/")}

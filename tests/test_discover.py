@@ -141,9 +141,9 @@ print(json.dumps({{
 def test_discovery_off_lists_nothing_and_on_adds_no_probe_and_no_import_to_a_table_model():
     off, _ = child_json(TABLE_ONLY.format(args=""))
     assert off["listings"] == 0 and off["discovery_hooked"] == 0
-    registered = sorted(
-        m.module for m in STATE.models.values() if not m.module.startswith("transformers_modules")
-    )
+    # A pattern (trust_remote_code's, or a family such as verl's) is hooked by a finder of ours as its
+    # modules are imported, not in wrapt's table by name.
+    registered = sorted(m.module for m in STATE.models.values() if "*" not in m.module)
     assert off["hooked"] == registered  # qwen3's hook re-armed itself for a reload
     on, _ = child_json(TABLE_ONLY.format(args="discover=True"))
     assert on["listings"] == 1 and on["discovery_hooked"] > 100  # hundreds of modules, one listing

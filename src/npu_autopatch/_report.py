@@ -361,8 +361,9 @@ def _reason_for(where, module, records):
         config = STATE.config
         switch = getattr(target.kernel, "switch", None) or SWITCHES.get(target.kernel_name)
         if config is not None and switch is not None and not config.selects(target.kernel):
+            off = "switched off" if getattr(target.kernel, "switched_on", False) else "opt-in"
             return ReasonCode.NO_KERNEL_SELECTED, (
-                f"the {target.kernel_name} kernel is opt-in: enable({switch}=True) or "
+                f"the {target.kernel_name} kernel is {off}: enable({switch}=True) or "
                 f"{_config.switch_variable(switch)}=1"
             )
         kernels = config.kernels if config is not None else None

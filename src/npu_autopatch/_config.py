@@ -28,7 +28,7 @@ SELECTABLE_KERNELS = tuple(k for k in BUILTIN_KERNELS if k not in SWITCHES)
 
 
 def switch_variable(switch):
-    """The environment variable of an opt-in kernel's switch: ``NPU_AUTOPATCH_<SWITCH>``."""
+    """The environment variable of a kernel's switch: ``NPU_AUTOPATCH_<SWITCH>``."""
     return f"{ENV_SWITCH}_{switch.upper()}"
 
 
@@ -102,11 +102,12 @@ def _arg_names(value, valid, what, argname):
 
 class Config:
     """The resolved selection: which models and kernels, strict or not, forced or not, whether
-    modeling modules outside the registry are discovered, and which opt-in kernels are switched on."""
+    modeling modules outside the registry are discovered, and which kernels' own switches are on."""
 
     __slots__ = ("discover", "exclude", "force", "kernels", "models", "opted_in", "strict")
 
-    # ``opted_in``: the switches on (``"loss"``), of the built-in kernels and the registered models'.
+    # ``opted_in``: the switches that are on, of the built-in kernels and the registered models': an
+    # opt-in one turned on (``"loss"``), a switched-on one not turned off (``"step_aside"``).
 
     def __init__(self, models, exclude, kernels, strict, force, discover=False, opted_in=frozenset()):
         self.models = models  # frozenset, or None for every supported model
@@ -115,7 +116,7 @@ class Config:
         self.strict = strict
         self.force = force
         self.discover = discover
-        self.opted_in = frozenset(opted_in)  # the opt-in kernels' switches that are on
+        self.opted_in = frozenset(opted_in)  # the kernels' switches that are on
 
     def _key(self):
         return (
@@ -129,8 +130,8 @@ class Config:
         )
 
     def selects(self, kernel):
-        """Whether targets of this kernel (a built-in name or a Kernel) are patched: an opt-in kernel
-        only with its switch on."""
+        """Whether targets of this kernel (a built-in name or a Kernel) are patched: a kernel with a
+        switch of its own only while that switch is on."""
         name = getattr(kernel, "name", kernel)
         switch = getattr(kernel, "switch", None) or SWITCHES.get(name)
         if switch is not None:
@@ -246,7 +247,8 @@ def resolve(
 
     ``discover``: the already resolved discover_wanted(); ``valid_models`` then includes the
     installed modeling modules' names that the caller found (see _discover.installed).
-    ``switches``: the opt-in kernels' switches given to enable() (``loss=True``), see opted_in().
+    ``switches``: the kernels' switches given to enable() (``loss=True``, ``step_aside=False``), see
+    opted_in().
     """
     environ = os.environ if environ is None else environ
     valid_models = tuple(valid_models)

@@ -49,12 +49,12 @@ print(json.dumps(out))
 
 
 def test_strict_errors_reach_the_user_as_patch_error_through_lazy_imports():
-    # The two integrations excluded: transformers imports their modules first (they would be named).
+    # The integrations excluded: transformers imports their modules first (they would be named).
     out, _ = child_json(
         STRICT_LAZY,
         NPU_AUTOPATCH="1",
         NPU_AUTOPATCH_STRICT="1",
-        NPU_AUTOPATCH_EXCLUDE="npu_flash_attention,flash_attention_utils",
+        NPU_AUTOPATCH_EXCLUDE="npu_flash_attention,flash_attention_utils,default_attention",
         PYTHONPATH="",
     )
     for name, model in (("top_level", "qwen3"), ("auto", "llama")):

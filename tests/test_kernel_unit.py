@@ -57,7 +57,7 @@ def names_of_kernels(source, kernels, ops, modules):
 def declared():
     """The words that name a built-in kernel, read from the kernels' own declarations."""
     ops = {op for kernel in KERNELS.values() for op in kernel.ops}
-    modules = {module for _name, module, _attr, _switch in _catalog.BUILTIN}
+    modules = {line[1] for line in _catalog.BUILTIN}
     return set(KERNELS), ops, modules
 
 
@@ -108,7 +108,7 @@ def test_the_fingerprinted_sources_are_derived_from_the_kernels():
     from npu_autopatch.kernels import _fingerprint
 
     sources = _fingerprint.sources()
-    kernel_modules = {f"npu_autopatch.kernels.{module}" for _name, module, _attr, _switch in _catalog.BUILTIN}
+    kernel_modules = {f"npu_autopatch.kernels.{line[1]}" for line in _catalog.BUILTIN}
     assert kernel_modules <= set(sources), sorted(kernel_modules - set(sources))
     helpers = {"gated_delta_scan", "_probe", "_reference", "_fingerprint"}
     assert {f"npu_autopatch.kernels.{m}" for m in helpers} | {"npu_autopatch.losses"} <= set(sources)

@@ -9,7 +9,7 @@ import os
 
 from ._state import STATE
 from ._types import BUILTIN_KERNELS
-from .kernels._catalog import SWITCHES
+from .kernels._catalog import SWITCH_DEFAULTS, SWITCHES
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -182,12 +182,20 @@ class Config:
         )
 
 
+def _switch_of(kernel):
+    """(its switch or None, on by default) of a Kernel or a built-in kernel's name."""
+    if isinstance(kernel, str):
+        switch = SWITCHES.get(kernel)
+        return switch, SWITCH_DEFAULTS.get(switch, False)
+    return getattr(kernel, "switch", None), bool(getattr(kernel, "switched_on", False))
+
+
 def _selected_by_switch(model_type):
-    """The switch that alone selects this entry (its targets all take one switched-on Kernel), or None."""
+    """The switch that alone selects this entry (its targets all take one switched-on kernel), or None."""
     model = STATE.models.get(model_type)
-    kernels = {getattr(t.kernel, "switch", None) for t in model.targets} if model is not None else set()
-    switched_on = model is not None and all(getattr(t.kernel, "switched_on", False) for t in model.targets)
-    return next(iter(kernels)) if switched_on and len(kernels) == 1 and None not in kernels else None
+    switches = {_switch_of(t.kernel) for t in model.targets} if model is not None else set()
+    (switch, on), *others = switches or [(None, False)]
+    return switch if on and not others else None
 
 
 def requested_models(models, exclude, environ=None):
@@ -207,9 +215,9 @@ def discover_wanted(discover, warn, environ=None):
 
 def declared_switches():
     """{switch: whether it is on by default} of every kernel with a switch of its own: the built-in
-    ones (kernels/_catalog, opt-in), then the Kernels the registered models name (a plugin's,
-    register()'s, an integration's such as verl's step-aside, on by default)."""
-    declared = dict.fromkeys(SWITCHES.values(), False)
+    ones (kernels/_catalog: the loss kernel's off, default_attention's on), then the Kernels the
+    registered models name (a plugin's, register()'s, an integration's such as verl's step-aside)."""
+    declared = dict(SWITCH_DEFAULTS)
     for model in list(STATE.models.values()):
         for target in model.targets:
             switch = getattr(target.kernel, "switch", None)  # a Kernel's; a built-in name has none

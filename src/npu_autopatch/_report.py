@@ -303,10 +303,14 @@ def _class_origin(cls, ours):
     """(origin, via, defined_by, kernel) of a class's code: its forward, or another method we replaced."""
     origin, defined_by, kernel = _origin(cls.forward, ours)
     if origin != OURS:
-        for slot in ours.slots:  # a method other than forward (4.x DeepSeek-V3's ``moe``)
+        # A method other than forward (4.x DeepSeek-V3's ``moe``) of a module class that computes (has
+        # a forward of its own): not a base class's bookkeeping method, such as the default attention
+        # choice on ``PreTrainedModel``, which every model class inherits and none computes with.
+        for slot in ours.slots:
             if (
                 isinstance(slot.owner, type)
                 and issubclass(cls, slot.owner)
+                and "forward" in vars(slot.owner)
                 and slot.attr != "forward"
                 and slot.current() is slot.replacement
             ):

@@ -303,6 +303,14 @@ MODELS = {
             Target("attention", "_get_unpad_data"),
             module="transformers.modeling_flash_attention_utils",
         ),
+        # Not a model type: transformers' choice of the default attention implementation, which on the
+        # NPU becomes the flash-attention path above for a model that asked for none and supports it
+        # (kernels/attention.py, default_attention; its switch: NPU_AUTOPATCH_DEFAULT_ATTENTION=0).
+        Model(
+            "default_attention",
+            Target("default_attention", "PreTrainedModel.get_correct_attn_implementation"),
+            module="transformers.modeling_utils",
+        ),
         # Not a model type: verl's own NPU patch, which would replace our kernels in the nine model
         # types it covers; it steps aside for the ones we patch (integrations/verl.py). Its module is
         # whichever module of verl defines apply_npu_patches, wherever verl moves it.
@@ -314,5 +322,5 @@ MODELS = {
 # entry-point plugins and register() add to it, through _control and _plugins only.
 BUILTIN = tuple(MODELS)
 # The entries that are no model type: a module every model calls (no tiny model, no modeling module).
-INTEGRATIONS = frozenset({"npu_flash_attention", "flash_attention_utils", "verl_npu_patch"})
+INTEGRATIONS = frozenset({"npu_flash_attention", "flash_attention_utils", "default_attention", "verl_npu_patch"})
 MODEL_TYPES = tuple(name for name in BUILTIN if name not in INTEGRATIONS)

@@ -9,21 +9,26 @@ imports the modules and checks that each ``Kernel`` declares the same name and s
 Order is the order status() and report() list kernels in.
 """
 
-# (kernel name, module under kernels/, the attribute holding its Kernel, opt-in switch or None).
-# An opt-in kernel changes what a forward returns (the loss kernel's ``logits=None``): it is never
-# on by default nor through ``kernels=``, only through ``enable(<switch>=True)`` or
-# ``NPU_AUTOPATCH_<SWITCH>=1``.
+# (kernel name, module under kernels/, the attribute holding its Kernel, its own switch or None,
+# whether that switch is on by default). A kernel with a switch is outside ``kernels=``: only
+# ``enable(<switch>=...)`` or ``NPU_AUTOPATCH_<SWITCH>`` turn it on or off. An opt-in one (off by
+# default) changes what a forward returns (the loss kernel's ``logits=None``); a switched-on one
+# changes a choice transformers makes for the user (default_attention: the default attention
+# implementation), which a user may want back as it was.
 BUILTIN = (
-    ("rms_norm", "norm", "RMS_NORM", None),
-    ("gated_rms_norm", "norm", "GATED_RMS_NORM", None),
-    ("swiglu", "mlp", "SWIGLU", None),
-    ("rope", "rope", "ROPE", None),
-    ("moe", "moe", "MOE", None),
-    ("attention", "attention", "ATTENTION", None),
-    ("gated_delta_rule", "linear_attention", "GATED_DELTA_RULE", None),
-    ("loss", "loss", "LOSS", "loss"),
+    ("rms_norm", "norm", "RMS_NORM", None, False),
+    ("gated_rms_norm", "norm", "GATED_RMS_NORM", None, False),
+    ("swiglu", "mlp", "SWIGLU", None, False),
+    ("rope", "rope", "ROPE", None, False),
+    ("moe", "moe", "MOE", None, False),
+    ("attention", "attention", "ATTENTION", None, False),
+    ("default_attention", "attention", "DEFAULT_ATTENTION", "default_attention", True),
+    ("gated_delta_rule", "linear_attention", "GATED_DELTA_RULE", None, False),
+    ("loss", "loss", "LOSS", "loss", False),
 )
 
-NAMES = tuple(name for name, _module, _attr, _switch in BUILTIN)
-# {opt-in kernel: its switch}
-SWITCHES = {name: switch for name, _module, _attr, switch in BUILTIN if switch is not None}
+NAMES = tuple(line[0] for line in BUILTIN)
+# {kernel with a switch of its own: its switch}
+SWITCHES = {name: switch for name, _module, _attr, switch, _on in BUILTIN if switch is not None}
+# {switch: on by default}
+SWITCH_DEFAULTS = {switch: on for _name, _module, _attr, switch, on in BUILTIN if switch is not None}

@@ -13,12 +13,12 @@ from ._probe import neutral_torch
 def builtin_kernels():
     """{name: Kernel} of the built-in kernels, in the catalogue's order, each checked against its line."""
     kernels = {}
-    for name, module, attr, switch in _catalog.BUILTIN:
+    for name, module, attr, switch, on in _catalog.BUILTIN:
         kernel = getattr(importlib.import_module(f"{__package__}.{module}"), attr)
-        if kernel.name != name or kernel.switch != switch:
+        if (kernel.name, kernel.switch, kernel.switched_on) != (name, switch, on):
             raise RuntimeError(
-                f"kernels/_catalog.py says {module}.{attr} is {name!r} (switch {switch!r}); "
-                f"it declares {kernel.name!r} (switch {kernel.switch!r})"
+                f"kernels/_catalog.py says {module}.{attr} is {name!r} (switch {switch!r}, on: {on}); "
+                f"it declares {kernel.name!r} (switch {kernel.switch!r}, on: {kernel.switched_on})"
             )
         kernels[name] = kernel
     _fingerprint.BUILTIN.update((name, kernel.variants) for name, kernel in kernels.items())

@@ -444,27 +444,31 @@ def _refresh_transformers_cache():
 
 @dataclass
 class AttentionEntry:
-    """One attention module class of a model, for report(): the implementation its config picks and
-    the code that computes it (FA2 on the NPU: transformers' Ascend functions, ours or stock)."""
+    """One attention module class of a model, for report(): the implementation its config picks, who
+    chose it, and the code that computes it (FA2 on the NPU: transformers' Ascend functions, ours or
+    stock)."""
 
     name: str  # the class's qualified name
     count: int  # instances in the model
     implementation: str  # config._attn_implementation: flash_attention_2, sdpa, eager, ...
+    chosen: str  # who chose it: the user, transformers' default, routed by the default_attention kernel
     path: str  # what runs, in words
 
 
 def _report_rows(classes, records) -> list[AttentionEntry]:
-    """For report(): each ``*Attention`` module class with a config, the implementation it asks for
-    and what runs it. FA2 on an NPU is transformers' Ascend functions; transformers calls the ones it
-    loaded at its first FA2 forward (``modeling_flash_attention_utils._flash_varlen_fn``), else the
-    integration module's now."""
+    """For report(): each ``*Attention`` module class with a config, the implementation it asks for,
+    who chose it and what runs it. FA2 on an NPU is transformers' Ascend functions; transformers calls
+    the ones it loaded at its first FA2 forward (``modeling_flash_attention_utils._flash_varlen_fn``),
+    else the integration module's now."""
     entries = []
     for cls, instances in classes.items():
-        implementation = getattr(getattr(instances[0][1], "config", None), "_attn_implementation", None)
+        config = getattr(instances[0][1], "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
         if not cls.__name__.endswith("Attention") or implementation is None:
             continue
         path = _flash_path(records) if implementation == "flash_attention_2" else implementation
-        entries.append(AttentionEntry(cls.__qualname__, len(instances), implementation, path))
+        chosen = _chosen(config, implementation)
+        entries.append(AttentionEntry(cls.__qualname__, len(instances), implementation, chosen, path))
     return entries
 
 
@@ -502,5 +506,199 @@ ATTENTION = Kernel(
         Variant("unpad_once", _build_unpad_once, _probe_unpad_once),
     ),
     refresh=_refresh_transformers_cache,
-    report=Report(rows=_report_rows, columns=("n", "implementation", "runs")),
+    report=Report(rows=_report_rows, columns=("n", "implementation", "chosen by", "runs")),
+)
+
+# --- transformers' default attention on the NPU: the flash-attention path (issue 27) ----------------
+
+_ROUTED = "flash_attention_2"
+_GET_CORRECT = ("self", "requested_attention", "is_init_check")
+# Why a model keeps transformers' default (the reasons status() counts; the first five are the
+# caller's or transformers' own and never warned about).
+CHOSEN = "an explicit choice"
+NOT_NPU = "no NPU"
+NO_FA2 = "no flash attention in transformers"
+NOT_TRANSFORMERS = "not transformers' own code"
+NOT_SELECTED = "model not selected"
+KNOWN_FAILURE = "transformers' FA2 path fails for it"
+KERNEL_OFF = "attention kernel not applied"
+_ROUTINE = (CHOSEN, NOT_NPU, NO_FA2, NOT_TRANSFORMERS, NOT_SELECTED, KNOWN_FAILURE)
+# Model types (modeling module's package) whose transformers FA2 code raises or computes wrong where
+# its sdpa does not, on a transformers major ("4" or "5"; "*" both): they keep the default, with why.
+# Found by the whole-table parity test (tests/test_default_attention.py), not by the kernel.
+_FA2_FAILS = {
+    "qwen2_moe": ("4", "4.57 refuses right padding with flash_attention_2 (a ValueError)"),
+    "deepseek_v2": ("4", "4.57's FA2 path mixes packed sequences"),
+    "granitemoe": ("4", "4.57's FA2 path mixes packed sequences"),
+}
+
+
+class _Choices:
+    """The default-attention decision per model config, while the config lives: for report() (who
+    chose the implementation) and for disable()/enable() (``_refresh_routed``: a routed config goes
+    back to stock's default when the route is taken out, and to FA2 when it is put back).
+
+    Held here, beside the only code that writes and reads it, not in the package state: like
+    ``HOST_ENDS`` it is a cache of facts about the user's objects, keyed weakly (a config is
+    unhashable: keyed by id, the entry dropped when the config dies).
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple] = {}
+        self._lock = threading.Lock()
+
+    def note(self, config, routed: bool, why: str | None, stock_choice: str) -> None:
+        key = id(config)
+
+        def forget(ref, key=key):
+            with self._lock:
+                if self._by_id.get(key, (None,))[0] is ref:
+                    del self._by_id[key]
+
+        with self._lock:
+            self._by_id[key] = (weakref.ref(config, forget), routed, why, stock_choice)
+
+    def of(self, config):
+        """(routed, why not, stock's choice) for this config, or None if no decision was seen."""
+        entry = self._by_id.get(id(config))
+        return entry[1:] if entry is not None and entry[0]() is config else None
+
+    def routed(self):
+        """[(config, stock's choice)] of the live routed configs."""
+        with self._lock:
+            entries = list(self._by_id.values())
+        return [(ref(), stock_choice) for ref, routed, _why, stock_choice in entries if routed and ref() is not None]
+
+
+CHOICES = _Choices()
+
+
+def _chosen(config, implementation) -> str:
+    """Who chose a config's attention implementation, in words, for report()."""
+    decision = CHOICES.of(config)
+    if decision is None:
+        return "the user, or before npu-autopatch"
+    routed, why, stock_choice = decision
+    if routed and implementation == _ROUTED:
+        return f"default, routed from {stock_choice} by npu-autopatch (packed documents kept apart)"
+    if routed or why == CHOSEN:
+        return "the user"  # routed once, then set_attn_implementation() or a config shared with another model
+    return f"transformers' default ({why})"
+
+
+def _model_type(cls) -> str | None:
+    """The model type of a class of transformers' own modeling modules (``transformers.models.<type>.``)."""
+    parts = cls.__module__.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["transformers", "models"] else None
+
+
+def _fa2_fails(model_type) -> str | None:
+    major = sys.modules["transformers"].__version__.split(".", 1)[0]
+    on, why = _FA2_FAILS.get(model_type, (None, None))
+    return why if on in ("*", major) else None
+
+
+def _flash_functions_ours() -> str | None:
+    """None when transformers' Ascend flash-attention functions are this kernel's, else why not.
+
+    Imported here if transformers has not yet (an FA2 model would import it at once): our import
+    hook patches it as it loads, under the package lock, which this code does not hold.
+    """
+    import importlib
+
+    module = importlib.import_module(_INTEGRATION)
+    functions = (module.npu_flash_attn_func, module.npu_flash_attn_varlen_func)
+    if all(getattr(f, "__module__", None) == __name__ for f in functions):
+        return None
+    record = sys.modules["npu_autopatch"].status().get("npu_flash_attention")
+    state = f"{record.state.value}: {record.reason}" if record is not None else "not in the registry"
+    return f"{KERNEL_OFF} ({state})"
+
+
+def _why_not_routed(model, requested, npu_available) -> str | None:
+    """None when ``model``'s default attention goes to the flash-attention path, else the reason."""
+    if requested is not None:
+        return CHOSEN
+    if not npu_available():
+        return NOT_NPU
+    cls = type(model)
+    if not (getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False)):
+        return NO_FA2
+    model_type = _model_type(cls)
+    if model_type is None:
+        return NOT_TRANSFORMERS  # remote code may call the flash-attn package itself
+    record = sys.modules["npu_autopatch"].status().get(model_type)
+    if record is not None and record.code is not None and record.code.value in ("excluded", "not-selected"):
+        return NOT_SELECTED  # NPU_AUTOPATCH_EXCLUDE, or models= without it: stock, the attention too
+    if _fa2_fails(model_type):
+        return KNOWN_FAILURE
+    return _flash_functions_ours()
+
+
+def _build_route(stock, npu, on_error):
+    """transformers' default attention (``attn_implementation`` not given): the flash-attention path.
+
+    ``get_correct_attn_implementation(requested)`` turns ``None`` into ``"sdpa"`` (else ``"eager"``)
+    for every model, on every device; on the NPU, sdpa with a mask computes every score of a padded,
+    packed or windowed batch (docs/attention.md). Here ``None`` becomes ``"flash_attention_2"`` for a
+    model of transformers whose class supports it while this kernel's flash functions are in place:
+    padded batches unpadded, packed documents apart, windows in band mode. Anything the user named
+    (sdpa, eager, a hub kernel) goes to stock untouched. transformers' own checks for FA2 are not
+    run for the route: on the NPU they only warn about dtypes the op takes (fp32) and devices the
+    model is not on yet, which a user who chose nothing should not read.
+    """
+    from transformers.utils import is_torch_npu_available
+
+    count_routed, count_stock = counters(on_error, routine=_ROUTINE)
+
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False, *args, **kwargs):
+        config = getattr(self, "config", None)
+        decision = CHOICES.of(config) if requested_attention == _ROUTED else None
+        if decision is not None and decision[0]:
+            return _ROUTED  # transformers checking again what the route chose: not a new decision
+        stock_choice = stock(self, requested_attention, is_init_check, *args, **kwargs)
+        why = _why_not_routed(self, requested_attention, is_torch_npu_available)
+        if config is not None:
+            CHOICES.note(config, why is None, why, stock_choice)
+        if why is not None:
+            count_stock(why.split(" (", 1)[0])
+            return stock_choice
+        count_routed()
+        return _ROUTED
+
+    return get_correct_attn_implementation
+
+
+def _probe_route(stock, candidate):
+    """The stock method must be transformers' default-picking one: ``(requested_attention,
+    is_init_check)``, turning ``None`` into ``"sdpa"`` (read in its constants)."""
+    wrong = signature_reason(stock, _GET_CORRECT)
+    if wrong:
+        return wrong
+    code = getattr(stock, "__code__", None)
+    if code is None or "sdpa" not in code.co_consts:
+        return "the stock method does not pick sdpa for a model that asks for nothing"
+    return None
+
+
+def _refresh_routed():
+    """After the route is swapped in or out: the configs it routed follow (FA2 while it is in place,
+    stock's default after disable() or with the switch off), unless their implementation was changed
+    since (``set_attn_implementation``: the user's choice, left alone)."""
+    utils = sys.modules.get("transformers.modeling_utils")
+    method = getattr(getattr(utils, "PreTrainedModel", None), "get_correct_attn_implementation", None)
+    routing = getattr(method, "__module__", None) == __name__
+    for config, stock_choice in CHOICES.routed():
+        now, then = (stock_choice, _ROUTED) if routing else (_ROUTED, stock_choice)
+        if config._attn_implementation_internal == now:
+            config._attn_implementation_internal = then
+
+
+DEFAULT_ATTENTION = Kernel(
+    "default_attention",
+    (),
+    variants=(Variant("flash_attention_2", _build_route, _probe_route),),
+    refresh=_refresh_routed,
+    switch="default_attention",
+    switched_on=True,
 )

@@ -322,5 +322,7 @@ MODELS = {
 # entry-point plugins and register() add to it, through _control and _plugins only.
 BUILTIN = tuple(MODELS)
 # The entries that are no model type: a module every model calls (no tiny model, no modeling module).
-INTEGRATIONS = frozenset({"npu_flash_attention", "flash_attention_utils", "default_attention", "verl_npu_patch"})
+INTEGRATIONS = frozenset(
+    {"npu_flash_attention", "flash_attention_utils", "default_attention", "verl_npu_patch"}
+)
 MODEL_TYPES = tuple(name for name in BUILTIN if name not in INTEGRATIONS)

@@ -567,7 +567,11 @@ class _Choices:
         """[(config, stock's choice)] of the live routed configs."""
         with self._lock:
             entries = list(self._by_id.values())
-        return [(ref(), stock_choice) for ref, routed, _why, stock_choice in entries if routed and ref() is not None]
+        return [
+            (ref(), stock_choice)
+            for ref, routed, _why, stock_choice in entries
+            if routed and ref() is not None
+        ]
 
 
 CHOICES = _Choices()

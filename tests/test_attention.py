@@ -25,7 +25,7 @@ from npu_autopatch.kernels import KERNELS, choose_variant, golden_ops
 from npu_autopatch.kernels import attention as attention_kernel
 from npu_autopatch.testing import DEFAULT, PROFILES
 
-from .conftest import FULL, child_env, present
+from .conftest import FULL, child_env
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 V4 = int(transformers.__version__.split(".")[0]) < 5
@@ -244,123 +244,8 @@ def test_gpt_oss_fa2_refused_at_load_when_the_sinks_would_be_dropped():
     assert found["after_disable"] is False, found
 
 
-TABLE = r"""
-import copy, json, sys
-import torch
-from npu_autopatch.testing import stand_in, tiny
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-
-
-args = json.loads(sys.argv[1])
-with stand_in(profile=args["profile"]) as npu:
-    import npu_autopatch
-
-    npu_autopatch.enable(kernels=["attention", "gated_delta_rule"])
-    dtype = getattr(torch, args["dtype"])
-    out = {}
-    for name in args["models"]:
-        config = tiny.tiny_config(name)
-        trained = tiny.trained_config(config)
-        cls = tiny.model_class(trained, by_name=trained is not config)[1]
-        errors = out[name] = {"fused": {}}
-        if not cls._supports_flash_attn:
-            errors["no_fa2"] = True
-            continue
-        torch.manual_seed(0)
-        fa = cls._from_config(copy.deepcopy(trained), attn_implementation="flash_attention_2", dtype=dtype)
-        eager = cls._from_config(copy.deepcopy(trained), attn_implementation="eager", dtype=dtype)
-        eager.load_state_dict(fa.state_dict())
-        vocab = min(trained.get_text_config().vocab_size, 100)
-        ids = torch.randint(1, vocab, (2, 10))
-        mask = torch.ones(2, 10, dtype=torch.long)
-        mask[1, 7:] = 0
-        lengths = [6, 8]
-        packed = torch.randint(1, vocab, (1, sum(lengths)))
-        positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-        cu = torch.tensor([0, 6, 14], dtype=torch.int32)
-        varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 8, "max_length_k": 8}
-        alone = lambda: torch.cat([eager(chunk).logits for chunk in packed.split(lengths, dim=1)], dim=1)
-        cases = {
-            "causal": (lambda: fa(ids).logits, lambda: eager(ids).logits),
-            "padded": (
-                lambda: fa(ids, attention_mask=mask).logits[mask.bool()],
-                lambda: eager(ids, attention_mask=mask).logits[mask.bool()],
-            ),
-            "packed": (lambda: fa(packed, position_ids=positions).logits, alone),
-            "cu_seq_lens": (lambda: fa(packed, position_ids=positions, **varlen).logits, alone),
-        }
-        for case, (got, expected) in cases.items():
-            if case in args["not_run"].get(name, ()):
-                continue
-            before = npu.calls["npu_fusion_attention"]
-            try:
-                with torch.no_grad():
-                    errors[case] = rel(got(), expected())
-            except Exception as exc:
-                errors[case] = f"{type(exc).__name__}: {exc}"[:300]
-            errors["fused"][case] = npu.calls["npu_fusion_attention"] - before
-    record = npu_autopatch.status()["npu_flash_attention"]
-    out["status"] = [record.state.value, record.reason, sorted(set(record.variants.values()))]
-print("RESULT" + json.dumps(out))
-"""
-# Model types whose tiny model does not take FA2 (``_supports_flash_attn`` is False). 5.x: gemma3 is the
-# vision-language wrapper (its text model, gemma3_text, is in WINDOWED above).
-NO_FA2 = {"qwen3_next"} if V4 else {"gemma3", "glm_moe_dsa", "deepseek_v32"}
-_THINKER = "transformers raises with a padding mask: the thinker's config has no vision_start_token_id"
-_MROPE = "transformers does not take restarting 2-D position_ids as packing for a 3-D (mrope) model"
-_STOCK_457 = "4.57's own model gets it wrong (stock FA2 and the kernel alike)"
-# Cases not run, and why; none is the attention kernel's: stock FA2 gives the same errors.
-NOT_RUN = {
-    **{name: {"packed": _MROPE} for name in ("qwen2_5_vl", "qwen2_vl", "glm4v", "glm4v_moe")},
-    "qwen2_5_omni": {"packed": _MROPE, "padded": _THINKER},
-    "qwen3_omni_moe": {"padded": _THINKER},
-    "kimi_linear": {
-        case: "its linear-attention layers mix packed sequences" for case in ("packed", "cu_seq_lens")
-    },
-}
-if V4:
-    NOT_RUN["qwen2_moe"] = {"padded": "4.57 refuses right padding with FA2 (its clear ValueError)"}
-    NOT_RUN["deepseek_v2"] = {"packed": _STOCK_457}
-    NOT_RUN["granitemoe"] = {"packed": _STOCK_457, "cu_seq_lens": _STOCK_457}
-
-
-@FULL
-@pytest.mark.parametrize("profile", list(PROFILES))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_table_model_matches_eager_through_fa2_on_npu(profile, dtype):
-    """Every table model with attention, FA2 on the NPU patched vs eager: causal, right-padded, packed
-    (position_ids restarting, and verl-style cu_seq_lens), with the fused op called in every case."""
-    from npu_autopatch.models import MODEL_TYPES
-
-    models = [name for name in MODEL_TYPES if present(name)]
-    options = {"profile": profile, "dtype": dtype, "models": models, "not_run": NOT_RUN}
-    result = subprocess.run(
-        [sys.executable, "-c", TABLE, json.dumps(options)],
-        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    found = json.loads(result.stdout.split("RESULT", 1)[1])
-    state, reason, variants = found.pop("status")
-    assert state == "applied", reason  # no fused call was given up
-    sinks_fused = variants == ["dense", "varlen"]  # else gpt-oss runs unfused (a torch_npu without sink)
-    assert {name for name, errors in found.items() if errors.get("no_fa2")} == NO_FA2 & set(found)
-    for name, errors in found.items():
-        fused = errors.pop("fused")
-        if errors.pop("no_fa2", False):
-            continue
-        expected = {"causal", "padded", "packed", "cu_seq_lens"} - set(NOT_RUN.get(name, ()))
-        assert set(errors) == expected, (name, errors)
-        assert all(isinstance(e, float) and e < TOLERANCE[dtype] for e in errors.values()), (name, errors)
-        assert all((fused[case] > 0) == (sinks_fused or name != "gpt_oss") for case in expected), (
-            name,
-            fused,
-        )
+# The whole table through this path: tests/test_default_attention.py (every table model on the default
+# attention, which the default_attention kernel routes here, on every profile, fp32 and bf16).
 
 
 SYNCS = r"""

@@ -527,6 +527,11 @@ _ROUTINE = (CHOSEN, NOT_NPU, NO_FA2, NOT_TRANSFORMERS, NOT_SELECTED, KNOWN_FAILU
 # its sdpa does not, on a transformers major ("4" or "5"; "*" both): they keep the default, with why.
 # Found by the whole-table parity test (tests/test_default_attention.py), not by the kernel.
 _FA2_FAILS = {
+    "glm4v_moe": (
+        "*",
+        "transformers' FA2 path reads its 3-row mRoPE position_ids as packed sequences at batch size 1 "
+        "(sequence lengths for 3x the tokens): the device refuses them",
+    ),
     "qwen2_moe": ("4", "4.57 refuses right padding with flash_attention_2 (a ValueError)"),
     "deepseek_v2": ("4", "4.57's FA2 path mixes packed sequences"),
     "granitemoe": ("4", "4.57's FA2 path mixes packed sequences"),

@@ -204,10 +204,13 @@ def _fa_check_options(
         return
     unsupported(tnd, f"{name}: a full atten_mask (sparse_mode {sparse_mode}) in the TND layout")
     b, n, sq, skv = geo.batch, geo.heads, geo.q_len, geo.kv_len
+    # The CANN tiling accepts these four and nothing else, no broadcasting (hicann/ops-transformer
+    # attention/flash_attention_score/op_host/flash_attention_score_tiling_general.cpp, lines 1508-1560 at
+    # c29bc10: "get unsupported atten_mask shape"); op-plugin's adapter passes the mask on unchecked.
     check(
         tuple(mask.shape) in {(sq, skv), (b, n, sq, skv), (b, 1, sq, skv), (1, 1, sq, skv)},
-        f"{name}: atten_mask shape {tuple(mask.shape)} must be BNSS, B1SS, 11SS or SS for B={b}, N={n}, "
-        f"Sq={sq}, Skv={skv}",
+        f"{name}: get unsupported atten_mask shape {tuple(mask.shape)}: it must be BNSS, B1SS, 11SS or SS "
+        f"for B={b}, N={n}, Sq={sq}, Skv={skv}",
     )
 
 

@@ -8,15 +8,18 @@ stand-in's helpers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from npu_autopatch.testing import PROFILES, make_torch_npu, stand_in
 from npu_autopatch.testing.device import attention_work, computed_elements
+from npu_autopatch.testing.device.profiles import SDPA_RULES
 
 from .conftest import run_python
 
@@ -351,3 +354,84 @@ def test_a_padded_batch_on_transformers_default_attention_computes_every_score()
     assert result["fused"] == {"npu_fusion_attention": layers, "npu_fusion_attention_grad": layers}
     minimum = layers * heads * ((6 * 7) // 2 + (3 * 4) // 2)  # each sequence's causal triangle
     assert result["computed"] == layers * 2 * heads * 6 * 6 > minimum
+
+
+# ------------------------------------------------------------------------------------------------------
+# transformers 5.x's pack_gqa: a 1-token query with a mask is packed to q [B, Nkv, n_rep, D] and passed the
+# mask [B, 1, 1, Skv] (integrations/sdpa_attention.py pack_gqa). The CANN tiling refuses that mask shape for
+# Sq = n_rep > 1; op-plugin expands it from 26.1.0 (docs/device-rules.md).
+# ------------------------------------------------------------------------------------------------------
+
+
+def packed_decode():
+    """B=2, Nkv=2, n_rep=3, Skv=5: the shapes pack_gqa hands sdpa, and the batch's padding mask."""
+    q, k, v = leaves((2, 2, 3, 8), (2, 2, 5, 8), (2, 2, 5, 8))
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    mask[1, ..., :2] = False  # the second sequence is left-padded by two
+    return q, k, v, mask
+
+
+def test_the_packed_decode_mask_is_refused_before_26_1_and_expanded_from_it(device):
+    npu, work = device
+    q, k, v, mask = packed_decode()
+    if npu.PROFILE.sdpa.expands_masks:
+        same_as_torch((q, k, v, mask), {})
+        assert work.sparse_modes == {0: 1}
+        assert work.mask_copy_bytes == 2 * 2 * 3 * 5  # the expanded [B, Nkv, n_rep, Skv], inverted
+        assert [r.inner_precise for r in work.records] == [2]  # Sq = n_rep > 1, masked
+    else:
+        with pytest.raises(RuntimeError, match="get unsupported atten_mask shape"):
+            F.scaled_dot_product_attention(q, k, v, mask)
+
+
+@pytest.mark.parametrize(("branch", "accepted"), [("26.0.0", False), ("26.1.0", True)])
+def test_the_release_lines_no_profile_models_follow_their_branch(branch, accepted):
+    profile = dataclasses.replace(PROFILES["a2-newest"], sdpa=SDPA_RULES[branch])
+    q, k, v, mask = packed_decode()
+    with stand_in(profile=profile):
+        if accepted:
+            same_as_torch((q, k, v, mask), {})
+        else:
+            with pytest.raises(RuntimeError, match="get unsupported atten_mask shape"):
+                F.scaled_dot_product_attention(q, k, v, mask)
+
+
+GENERATE = """
+import json
+import torch
+from npu_autopatch.testing import stand_in
+
+with stand_in(profile={profile!r}) as npu:
+    from npu_autopatch.testing.tiny import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3", num_key_value_heads=2).eval()  # GQA: 4 query heads over 2
+    eager = tiny_model("qwen3", num_key_value_heads=2, attn_implementation="eager").eval()
+    eager.load_state_dict(model.state_dict())
+    ids = torch.randint(1, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])  # left-padded, as generate() wants
+    settings = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    expected = eager.generate(ids, **settings).tolist()
+    try:
+        result = {{"tokens": model.generate(ids, **settings).tolist(), "expected": expected}}
+    except RuntimeError as error:
+        result = {{"error": str(error)}}
+    result["implementation"] = model.config._attn_implementation
+    print("RESULT" + json.dumps(result))
+"""
+
+
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="4.x repeats k/v (no pack_gqa)")
+@pytest.mark.parametrize("profile", ["a2-newest", "a2-2.7.1"])
+def test_transformers_5_generate_with_padding_on_default_attention(profile):
+    """The first decode step packs GQA with the padding mask: refused on the 2.7.1 line (op-plugin 7.2.0
+    passes the mask on, the CANN tiling refuses it), the same tokens as eager from op-plugin 26.1.0."""
+    child = run_python(GENERATE.format(profile=profile))
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = json.loads(child.stdout.split("RESULT", 1)[1])
+    assert result["implementation"] == "sdpa"
+    if profile == "a2-2.7.1":
+        assert "get unsupported atten_mask shape" in result["error"], result
+        assert "(2, 1, 1, 6)" in result["error"], result  # [B, 1, 1, Skv] at the first decode step
+    else:
+        assert result["tokens"] == result["expected"]

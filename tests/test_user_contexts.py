@@ -194,9 +194,10 @@ def test_the_loss_kernel_under_autocast_takes_the_stock_forward_and_loss():
     """In-process, the exact case of the report: a bf16 autocast training step with the loss switch on."""
     model = tiny_model("qwen3")
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        stock = model(input_ids=ids, labels=ids)
     with stand_in():
+        # Stock on the device too: its attention (sdpa) is torch_npu's there, not torch's CPU kernel.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            stock = model(input_ids=ids, labels=ids)
         npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
         try:
             with torch.autocast("cpu", dtype=torch.bfloat16):

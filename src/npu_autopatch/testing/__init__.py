@@ -119,9 +119,14 @@ def stand_in(
 ) -> Iterator[types.ModuleType]:
     """Install a fresh stand-in as ``torch_npu``, ``torch_npu.npu`` and ``torch.npu``; restore on exit.
 
-    Whatever was there before (another module, or nothing at all) is put back exactly, so uses may nest.
+    With a device ``available``, ``torch.nn.functional.scaled_dot_product_attention`` is torch_npu's own
+    for the profile's release meanwhile (``device/sdpa.py``), as on the device, where torch_npu registers
+    it for NPU tensors. Whatever was there before (another module, or nothing at all; torch's sdpa) is put
+    back exactly, so uses may nest.
     """
     import torch
+
+    from .device import sdpa
 
     module = make_torch_npu(available=available, missing=missing, profile=profile)
     saved_modules = {name: sys.modules.get(name, _ABSENT) for name in _MODULE_NAMES}
@@ -129,9 +134,12 @@ def stand_in(
     sys.modules["torch_npu"] = module
     sys.modules["torch_npu.npu"] = module.npu
     torch.npu = module.npu
+    restore_sdpa = sdpa.install(module) if available else None
     try:
         yield module
     finally:
+        if restore_sdpa is not None:
+            restore_sdpa()
         for name, previous in saved_modules.items():
             if previous is _ABSENT:
                 sys.modules.pop(name, None)

@@ -7,13 +7,23 @@ Read from the sources (op-plugin, torch_npu, the CANN kernels' tiling), each rul
   fake kernels);
 - ``attention.py``: ``npu_fusion_attention`` and its grad, modelled for the attention kernel (issue 18);
 - ``autograd.py``: the ``derivatives.yaml`` formulas that join an op to its backward op;
+- ``work.py``: the attention work accounting (``attention_work()``: score elements computed, per path);
 - ``common.py``: how every op refuses a call and allocates.
 
 The harness that installs it as ``torch_npu`` and counts the calls is the package above
-(``testing.stand_in``, ``testing._library``). Only ``profiles`` is imported with this package: it must stay
-torch-free, as ``testing`` is loaded by every pytest run through the plugin entry point.
+(``testing.stand_in``, ``testing._library``). Only ``profiles`` and ``work`` are imported with this package:
+they must stay torch-free, as ``testing`` is loaded by every pytest run through the plugin entry point.
 """
 
 from .profiles import DEFAULT, PROFILES, Profile
+from .work import AttentionCall, AttentionWork, attention_work, computed_elements
 
-__all__ = ["DEFAULT", "PROFILES", "Profile"]
+__all__ = [
+    "DEFAULT",
+    "PROFILES",
+    "AttentionCall",
+    "AttentionWork",
+    "Profile",
+    "attention_work",
+    "computed_elements",
+]

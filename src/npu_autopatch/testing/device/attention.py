@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import work
 from .common import FLOATS, check, fake_empty, fake_like, unsupported
 from .ops import OpDef
 from .profiles import Profile
@@ -203,10 +204,13 @@ def _fa_check_options(
         return
     unsupported(tnd, f"{name}: a full atten_mask (sparse_mode {sparse_mode}) in the TND layout")
     b, n, sq, skv = geo.batch, geo.heads, geo.q_len, geo.kv_len
+    # The CANN tiling accepts these four and nothing else, no broadcasting (hicann/ops-transformer
+    # attention/flash_attention_score/op_host/flash_attention_score_tiling_general.cpp, lines 1508-1560 at
+    # c29bc10: "get unsupported atten_mask shape"); op-plugin's adapter passes the mask on unchecked.
     check(
         tuple(mask.shape) in {(sq, skv), (b, n, sq, skv), (b, 1, sq, skv), (1, 1, sq, skv)},
-        f"{name}: atten_mask shape {tuple(mask.shape)} must be BNSS, B1SS, 11SS or SS for B={b}, N={n}, "
-        f"Sq={sq}, Skv={skv}",
+        f"{name}: get unsupported atten_mask shape {tuple(mask.shape)}: it must be BNSS, B1SS, 11SS or SS "
+        f"for B={b}, N={n}, Sq={sq}, Skv={skv}",
     )
 
 
@@ -445,6 +449,24 @@ def _fa_backward(
     return dq, dk, dv, dpse, -(p_sink * row_dot).sum((0, 2))
 
 
+def _fa_work(geo: _FaGeometry, masked: bool, options: dict[str, Any]) -> work.AttentionCall:
+    """The score elements one forward call computes (work.py): per batch and head, or per TND sequence."""
+    mode, pre, nxt = options["sparse_mode"], options["pre_tockens"], options["next_tockens"]
+
+    def elements(q_len: int, kv_len: int) -> int:
+        return work.computed_elements(
+            q_len, kv_len, masked=masked, sparse_mode=mode, pre_tokens=pre, next_tokens=nxt
+        )
+
+    if geo.segments is None:
+        per_head = geo.batch * elements(geo.q_len, geo.kv_len)
+    else:
+        per_head = sum(elements(q1 - q0, kv1 - kv0) for q0, q1, kv0, kv1 in geo.segments)
+    return work.AttentionCall(
+        work.FUSED, geo.layout, mode, options["inner_precise"], masked, per_head * geo.heads
+    )
+
+
 def fusion_attention(
     profile: Profile,
     query: Tensor,
@@ -474,7 +496,9 @@ def fusion_attention(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, int, int, int]:
     """softmax(mask(scale * (q @ k^T + pse))) @ v without dropout, fp32 inside.
 
-    Returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels). With keep_prob 1
+    Returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels). The score elements
+    the call computes are added to every open ``attention_work()`` tally (work.py; the grad op is not
+    counted). With keep_prob 1
     no dropout mask is drawn, so seed and offset are 0 (§12) and the seed/offset arguments, like
     gen_mask_parallel and sync, have nothing to act on.
     """
@@ -499,6 +523,8 @@ def fusion_attention(
     )
     _fa_check_sink(name, sink, geo.heads)
     numels = _fa_numels(geo, head_num, actual_seq_qlen, actual_seq_kvlen)
+    if work.tallying():
+        work.record_call(_fa_work(geo, atten_mask is not None, options))
     # The 950's forward never hands the sink to the kernel (profiles.Profile.forward_sink).
     kept_sink = sink if profile.forward_sink else None
     out, row_max, row_sum = _fa_forward(geo, keep, float(scale), query, key, value, pse, kept_sink)

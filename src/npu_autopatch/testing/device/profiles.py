@@ -196,6 +196,50 @@ _V71_AUTOGRAD = {name: grad for name, grad in _V72_AUTOGRAD.items() if not name.
 
 
 @dataclass(frozen=True)
+class SdpaRules:
+    """torch_npu's ``scaled_dot_product_attention`` on one op-plugin branch, where the branches differ.
+
+    Ascend/op-plugin ``op_plugin/ops/opapi/ScaledDotProductAttentionKernelNpuOpApi.cpp``, the torch >= 2.5
+    variant (``VERSION_BETWEEN(V2R5, VERSION_NEWEST)``); sdpa.py models what every branch shares. Lines
+    are 7.2.0's (blob a152fc60, the same file as 7.1.0's) and master's (517f2e7d, blob d97edcaf).
+    """
+
+    branch: str
+    # A mask of rank other than 2 or 4 goes to the math path from inside the fused branch (7.2.0 :229-234);
+    # removed in 26.1.0, where such a mask reaches the fused op (which refuses it).
+    odd_rank_mask_to_math: bool
+    # The math path is given enable_gqa (7.3.0 on; 7.2.0 :303-306 drops it).
+    math_takes_enable_gqa: bool
+    # preprocess_attn_mask_for_npu (26.1.0 on; master :117-143, :292): a 2-4-D mask broadcastable to
+    # [B, N, Sq, Skv] and not already SS/B1SS/BNSS/11SS is expanded to [B, N, Sq, Skv].
+    expands_masks: bool
+    # calculate_inner_precise_for_fa (26.1.0 on; master :145-151, :310): inner_precise=2 (the op's
+    # invalid-row mode, slower) for a masked, non-causal call with Sq > 1; 0 before.
+    masked_inner_precise: bool
+    # fp32 with any of q/k/v's last dims % 4 != 0 goes to math on every call (master :267-273, commit
+    # 68ad4c26, 2026-08-12); on 26.1.0 only in compatible mode (:309), which the stand-in does not model.
+    fp32_unaligned_to_math: bool
+    # From 26.0.0 a SoC below Ascend950 calls npu_fusion_attention_v3 (same arguments; master :311-316);
+    # the stand-in runs its npu_fusion_attention for it. Recorded for the reader.
+    fused_op_v3_below_950: bool
+
+
+# Every branch read (git diff of the file between them); the profiles below use 7.1.0, 7.2.0 and master,
+# the others are there to test a release line no profile models yet (dataclasses.replace(profile, sdpa=...)).
+SDPA_RULES = {
+    rules.branch: rules
+    for rules in (
+        SdpaRules("7.1.0", True, False, False, False, False, False),  # blob a152fc60, as 7.2.0
+        SdpaRules("7.2.0", True, False, False, False, False, False),
+        SdpaRules("7.3.0", True, True, False, False, False, False),
+        SdpaRules("26.0.0", True, True, False, False, False, True),
+        SdpaRules("26.1.0", False, True, True, True, False, True),
+        SdpaRules("master", False, True, True, True, True, True),
+    )
+}
+
+
+@dataclass(frozen=True)
 class Profile:
     """One torch_npu release line on one device, as the stand-in models it."""
 
@@ -220,6 +264,8 @@ class Profile:
     # (2025-09, the CANN 8.5 line); for older CANN it is unverified, so the stand-in leaves
     # such blocks as uninitialised memory (NaN), the worst case.
     gmm_zero_fills_empty_groups: bool = True
+    # torch_npu's sdpa, by the op-plugin branch of ``op_plugin`` (sdpa.py).
+    sdpa: SdpaRules = SDPA_RULES["master"]
 
     @property
     def namespace(self) -> str:
@@ -249,6 +295,7 @@ V2_7_1 = Profile(
     schemas=_V72_SCHEMAS,
     autograd=_V72_AUTOGRAD,
     gmm_zero_fills_empty_groups=False,
+    sdpa=SDPA_RULES["7.2.0"],
 )
 
 V2_6_0 = Profile(
@@ -261,6 +308,7 @@ V2_6_0 = Profile(
     # 7.1.0 GroupedMatmulKernelNpuOpApi.cpp: "group_type currently only support -1 and 0".
     gmm_group_types=frozenset({-1, 0}),
     gmm_zero_fills_empty_groups=False,
+    sdpa=SDPA_RULES["7.1.0"],
 )
 
 ASCEND_950 = Profile(

@@ -20,6 +20,8 @@ BENCHMARKS = ROOT / "benchmarks"
 
 # script -> a line of its table (a regular expression, matched against each printed line)
 TABLES = {
+    "attention_work.py": r"  16 packed documents in \d+ tokens: minimum [\d,]+; "
+    r"stock default [\d,]+ \(\d+\.\d\dx\).*; patched default [\d,]+ \(1\.00x\).*",
     "aten_ops.py": r"  qwen3 +patched +\d+ ops = +\d+ aten \+ fused: .*npu_rms_norm \d+.*",
     "call_overhead.py": r"counting per call: fused [+-]\d+ ns, stock [+-]\d+ ns",
     "discovery_overhead.py": r"discovering \+ patching modeling_doge: +\d+\.\d\d ms",

@@ -615,7 +615,10 @@ def _flash_functions_ours() -> str | None:
     """
     import importlib
 
-    module = importlib.import_module(_INTEGRATION)
+    try:
+        module = importlib.import_module(_INTEGRATION)
+    except Exception as exc:  # a model's __init__ must not fail because of us: it keeps stock's choice
+        return f"{KERNEL_OFF} ({_INTEGRATION} did not import: {type(exc).__name__}: {exc})"
     functions = (module.npu_flash_attn_func, module.npu_flash_attn_varlen_func)
     if all(getattr(f, "__module__", None) == __name__ for f in functions):
         return None

@@ -163,7 +163,7 @@ def _new_generation():
     STATE.generation += 1
     STATE.device = None
     STATE.requirements.clear()
-    STATE.explicit_experts.clear()
+    STATE.kernel_notes.clear()
 
 
 def _revert_all(why):
@@ -274,7 +274,7 @@ def unregister(model_type: str) -> None:
 def _forget(model_type):
     _ledger().release_all(model_type)
     STATE.records.pop(model_type, None)
-    STATE.explicit_experts.pop(model_type, None)
+    STATE.kernel_notes.pop(model_type, None)
 
 
 def status() -> dict[str, PatchRecord]:

@@ -11,8 +11,9 @@ implementation: only the live object tells. So the report reads the model, not t
 - every module class of ``model.modules()``, with its instance count, as *ours* (one of our
   replacements: a ledger slot's, or a function of this package that carries ``__wrapped__``),
   *stock* (transformers' or torch's own code) or *foreign* (named by its defining module).
-  5.x fused experts dispatch through transformers' experts interface: they are ours when the
-  instance's config selects our implementation and the class holds our kernel;
+  A kernel whose install does more than swap an attribute reads its instances itself
+  (``Report.origin``: the moe kernel's 5.x fused experts, which transformers' experts interface
+  dispatches by the instance's config);
 - the module-level rotary functions (and chunked gated delta rules) of the model's modeling
   modules (and of the user's own modules its classes come from);
 - flags: a norm/MLP/experts/rotary-looking target on stock code (named by
@@ -31,7 +32,7 @@ import functools
 import sys
 from dataclasses import dataclass, field
 
-from . import _candidates, _config, _control, _experts, _resolve
+from . import _candidates, _config, _control, _resolve
 from ._records import PatchRecord, ReasonCode, State, describe_calls
 from ._state import STATE, locked
 from ._table import columns
@@ -254,6 +255,11 @@ def _defined_by(function) -> str:
     return namespace.get("__name__") or getattr(function, "__module__", None) or type(function).__module__
 
 
+def _defined_by_code(code) -> str:
+    """The module defining the code a callable runs (``_function`` of it)."""
+    return _defined_by(_function(code))
+
+
 def _origin(obj, ours) -> tuple[str, str, str | None]:
     """(ours/stock/foreign, the module defining the code, our kernel name or None).
 
@@ -276,27 +282,6 @@ def _origin(obj, ours) -> tuple[str, str, str | None]:
     if hasattr(function, "__code__") and _resolve.is_own(function):
         return STOCK, module, None
     return FOREIGN, module, None
-
-
-def _experts_origin(instance, forward, ours):
-    """(origin, via, defined_by, kernel) of a 5.x experts instance, by the implementation it selects."""
-    interface = _experts.interface_of(forward)
-    selected = getattr(getattr(instance, "config", None), "_experts_implementation", None)
-    via = f"experts interface {selected!r}"
-    try:
-        function = interface.get_interface(selected, forward.__wrapped__) if selected != "eager" else None
-    except Exception:  # an implementation nobody registered: the model's forward raises
-        return FOREIGN, via, "unregistered", None
-    if function is None:
-        return STOCK, via, _defined_by(forward.__wrapped__), None
-    if function is _experts.npu_grouped_mm:
-        chosen = _experts.implementation(instance)
-        if chosen is getattr(type(instance), _experts.ATTR, None):
-            origin, defined_by, kernel = _origin(chosen, ours)
-            return origin, via, defined_by, kernel or "moe"
-        return STOCK, via + f" (runs {_experts.DEFAULT!r} of transformers)", _defined_by(chosen), None
-    origin, defined_by, _kernel = _origin(function, ours)
-    return origin, via, defined_by, None
 
 
 def _class_origin(cls, ours):
@@ -338,7 +323,7 @@ def _hooker(instance) -> str:
     hook = vars(instance)["forward"]
     if getattr(hook, "__self__", None) is instance:  # e.g. what remove_hook_from_module leaves
         return "a bound method stored on the instance"
-    return f"by {_defined_by(_function(hook))}"
+    return f"by {_defined_by_code(hook)}"
 
 
 # --- why a target is stock ---------------------------------------------------------------
@@ -402,17 +387,11 @@ def _short(text, limit=160):
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _stock_flag(subject, where, module, path, kind, records, hooks, instance=None, via="forward"):
+def _stock_flag(subject, where, module, path, kind, records, hooks, instance=None):
     code, text = _reason_for(where, module, records)
-    holds_ours = getattr(type(instance), _experts.ATTR, None) is not None
-    if code is None and holds_ours and via.startswith("experts interface"):
-        selected = via.removeprefix("experts interface ").split(" ")[0]
-        explicit_default = _experts.asked_for_stock(getattr(instance, "config", None))
-        switch = _experts.KEY if explicit_default else _experts.DEFAULT
-        text = (
-            f"its config selects {selected} (an explicit choice wins); "
-            f"model.set_experts_implementation({switch!r}) switches it to the moe kernel"
-        )
+    if code is None and instance is not None:
+        why = _hooked(hooks, "stock_reason", instance)
+        text = text if why is None else why
     if code is None and text.endswith(("not one of its targets", "not in the model table")):
         try:
             candidate = _candidates.probe(module, _candidates.Candidate(path, kind, module.__name__))
@@ -454,10 +433,13 @@ def report(model) -> CoverageReport:
     for name, instance in model.named_modules(remove_duplicate=True):
         groups.setdefault(type(instance), []).append((name or "<root>", instance))
     modules, flags, modeling, own = [], [], {}, {}
+    claimed = set()  # the classes whose instances a kernel's install reaches (Report.origin)
     for cls, instances in groups.items():
-        entry, entry_flags = _entry(cls, instances, ours, hooks)
+        entry, entry_flags, reached = _entry(cls, instances, ours, hooks)
         modules.append(entry)
         flags += entry_flags
+        if reached:
+            claimed.add(cls)
         home = sys.modules.get(cls.__module__)
         if home is None:
             continue
@@ -470,8 +452,8 @@ def report(model) -> CoverageReport:
     for (cls, instances), entry in zip(groups.items(), modules, strict=True):
         if entry.kind is None or entry.origin == OURS:
             continue
-        if entry.kind == "moe" and _holds_experts(instances[0][1]):
-            continue  # 5.x: the block routes, its fused experts module (reported itself) computes
+        if _delegates(hooks, entry.kind, instances[0][1]):
+            continue  # 5.x's MoE block routes, its fused experts module (reported itself) computes
         path = f"{cls.__qualname__}.forward"
         if entry.origin == STOCK and cls.__module__ in modeling:
             if entry.runs.get(STOCK):  # captured ones are flagged apart
@@ -487,10 +469,9 @@ def report(model) -> CoverageReport:
                         records,
                         hooks,
                         instances[0][1],
-                        entry.via,
                     )
                 )
-        elif entry.runs.get(entry.origin) and not entry.via.startswith("experts interface"):
+        elif entry.runs.get(entry.origin) and cls not in claimed:
             unpatched.append((cls.__qualname__, cls.__module__, path, cls.forward, entry.kind))
     functions = []
     for module_name, module in {**modeling, **own}.items():
@@ -537,7 +518,7 @@ def _kernel_flags(groups, modules, hooks):
             continue
         for name, instance in instances:
             subject = f"{cls.__qualname__} ({name})"
-            messages = hook.flags(instance, lambda code: _defined_by(_function(code)))
+            messages = hook.flags(instance, _defined_by_code)
             flags += [Flag(entry.kernel, subject, message) for message in messages]
     return flags
 
@@ -579,12 +560,31 @@ def _register_call(module_name, candidates):
     return f"npu_autopatch.register({model_type!r}, module={module_name!r}, targets=[{targets}])"
 
 
-def _holds_experts(instance):
-    """Whether an MoE-looking module contains another MoE-looking module (5.x: block -> experts)."""
+def _hooked(hooks, name, *args):
+    """The first answer other than None of the kernels' Report hook ``name`` (``stock_reason``,
+    ``origin``) to ``args``, else None."""
+    for hook in hooks.values():
+        function = getattr(hook, name)
+        if function is not None:
+            answer = function(*args)
+            if answer is not None:
+                return answer
+    return None
+
+
+def _delegates(hooks, kind, instance):
+    """Whether a module that looks like a kernel's target of ``kind`` leaves the computation to one
+    inside it (``Report.delegates`` of the kernels judging that kind)."""
+    if kind is None:
+        return False
+
+    def kind_of(module):
+        return _candidates.kind_of(type(module).__name__, type(module))
+
     return any(
-        _candidates.kind_of(type(sub).__name__, type(sub)) == "moe"
-        for name, sub in instance.named_modules()
-        if name
+        hooks[name].delegates(instance, kind_of)
+        for name in _candidates.kernels_for(kind)
+        if name in hooks and hooks[name].delegates is not None
     )
 
 
@@ -592,15 +592,18 @@ def _entry(cls, instances, ours, hooks):
     """The ModuleEntry of one class and the flags of its captured instances."""
     kind = _candidates.kind_of(cls.__name__, cls, vars(sys.modules.get(cls.__module__, sys)))
     forward = cls.forward
-    is_experts = _experts.interface_of(forward) is not None
-    if not is_experts:
-        origin, via, defined_by, kernel = _class_origin(cls, ours)
+    claimed = False  # an instance a kernel's install reaches, read by that kernel (Report.origin)
+    class_origin = None
     runs = collections.Counter()
     captured: dict[tuple[str, str, str], list[str]] = {}
     fallback: dict[str, list[str]] = {}  # why -> instances the kernel leaves to the stock code (Report)
     for name, instance in instances:
-        if is_experts:
-            origin, via, defined_by, kernel = _experts_origin(instance, forward, ours)
+        read = _hooked(hooks, "origin", instance, lambda code: _origin(code, ours), _defined_by_code)
+        claimed = read is not None
+        if not claimed:
+            class_origin = class_origin or _class_origin(cls, ours)
+            read = class_origin
+        origin, via, defined_by, kernel = read
         runs_origin = origin
         why = _instance_stock(hooks.get(kernel), instance) if origin == OURS else None
         if why is not None:
@@ -611,7 +614,7 @@ def _entry(cls, instances, ours, hooks):
             inner_origin, inner_module, _kernel = _origin(inner, ours)
             runs_origin = inner_origin
             differs = inner_origin != origin or inner_origin == FOREIGN  # not e.g. an older build of ours
-            if differs and _function(inner) is not _function(forward) and not is_experts:
+            if differs and _function(inner) is not _function(forward) and not claimed:
                 if inner_origin == STOCK and origin == OURS:
                     kind_of = "captured-before-patching"
                 elif inner_origin == OURS:
@@ -642,4 +645,4 @@ def _entry(cls, instances, ours, hooks):
     entry = ModuleEntry(
         cls.__qualname__, cls.__module__, len(instances), origin, via, defined_by, kind, kernel, dict(runs)
     )
-    return entry, flags
+    return entry, flags, claimed

@@ -39,11 +39,11 @@ class _State:
         "discovered",
         "discovery_hooked",
         "enabled",
-        "explicit_experts",
         "family_watcher",
         "generation",
         "held",
         "hooked",
+        "kernel_notes",
         "listing",
         "lock",
         "models",
@@ -98,10 +98,14 @@ class _State:
         # target path -> _types.Calls of the replacement installed there: how its calls ran. Kept
         # after disable() (status() of a reverted model still shows them), new with each enable().
         self.calls = {}
-        self.explicit_experts = {}  # model type -> experts implementations users asked for (5.x)
-        # id(config) -> config whose "grouped_mm" is transformers' default, and of the models
-        # explicitly given "grouped_mm", in this process (_experts): weakly held, so that nothing
-        # is written into the config itself.
+        # model type -> {kernel name: what that installed kernel adds to the model's notes in
+        # status(), read with str() when asked}: a kernel keeps there what its note says (the moe
+        # kernel: the experts implementations users chose since, which run instead of it). New with
+        # each enable().
+        self.kernel_notes = {}
+        # The moe kernel's install (kernels/moe/_experts_registry.py): id(config) -> config whose
+        # "grouped_mm" is transformers' default, and of the models explicitly given "grouped_mm",
+        # in this process: weakly held, so that nothing is written into the config itself.
         self.default_experts = weakref.WeakValueDictionary()
         self.stock_experts = weakref.WeakValueDictionary()
         self.deferred = {}  # thread ident -> [depth, actions to run once it lets go] while it holds the lock

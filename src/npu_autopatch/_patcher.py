@@ -32,7 +32,7 @@ from . import _device, _ledger, _log, _resolve
 from ._failures import is_op_failure
 from ._records import PatchError, PatchRecord, ReasonCode, State, TargetReason
 from ._state import STATE, locked
-from ._types import BUILTIN_KERNELS, Calls, Kernel
+from ._types import BUILTIN_KERNELS, Calls
 from .kernels import KERNELS, choose_variant
 
 
@@ -133,7 +133,7 @@ def _conclude(model, module, config, plan):
         if plan.code is not ReasonCode.NO_NPU:  # that one was said once, for every model
             _log.warning(f"{model.model_type}: {verb}: {plan}")
         return _record(model, state, plan.code, str(plan))
-    steps, placed, stock, counted = plan
+    steps, stock = plan.steps, plan.stock
     for key, slot in steps:
         held = STATE.slots.get(key)
         now = _resolve.current(slot.owner, slot.attr)
@@ -151,12 +151,12 @@ def _conclude(model, module, config, plan):
         rec = _record(model, State.SKIPPED, first_code, refused, stock_reasons=stock)
         return replace(rec, state=State.PARTIAL, cause=None)
     try:
-        _ledger.commit(model.model_type, module, steps, placed)
+        _ledger.commit(model.model_type, module, steps, plan.placed)
     except Exception as exc:
         cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _ledger.SwapRefused) else str(exc)
         _log.warning(f"{model.model_type}: failed, left stock: {cause}")
         return _record(model, State.FAILED, ReasonCode.SWAP_FAILED, cause)
-    STATE.calls.update(counted)
+    STATE.calls.update(plan.counted)
     rec = STATE.records[model.model_type] = _applied_record(model, stock)
     if stock:
         listed = ", ".join(f"{where} ({reason.code.value})" for where, reason in stock.items())
@@ -341,8 +341,7 @@ def present_targets(targets):
 def _plan(model, module, config, generation):
     """Locate, choose and install every selected target, in a plan; swap nothing.
 
-    Returns (steps, placed paths, {target left stock: TargetReason}, {target: Calls}); raises
-    _Failure/_Skip.
+    Returns the ``_Plan``; raises _Failure/_Skip.
     """
     npu, reason = _decide_device(generation)
     if npu is None:
@@ -366,7 +365,7 @@ def _plan(model, module, config, generation):
             plan.stock[site.where] = _left_stock(choice.code, kernel, site.where, choice.why)
             continue
         _install(model, module, site, kernel, choice, npu, plan)
-    return plan.steps, plan.placed, plan.stock, plan.counted
+    return plan
 
 
 class _Plan:
@@ -439,11 +438,9 @@ def _choose(kernel, site, npu):
     refused = [v for v in kernel.variants if v not in allowed]
     stock_code = _resolve.stock_function(site.found.current) or site.found.current  # what it must reproduce
     try:
-        variant, mismatch = choose_variant(
-            Kernel(kernel.name, kernel.ops, allowed) if refused else kernel, stock_code
-        )
+        variant, mismatch = choose_variant(_narrowed(kernel, allowed) if refused else kernel, stock_code)
         # A refused variant that would reproduce the target: the torch_npu is the reason.
-        wanted = choose_variant(Kernel(kernel.name, kernel.ops, refused), stock_code)[0] if refused else None
+        wanted = choose_variant(_narrowed(kernel, refused), stock_code)[0] if refused else None
     except Exception as exc:
         raise _Failure(
             "probe-error",
@@ -466,6 +463,15 @@ def _choose(kernel, site, npu):
 Located = collections.namedtuple("Located", "model_type module path owner attr current where")
 # One ledger entry of a plan: the slot, and its path in the module (None: not the module's, e.g. a registry).
 _Entry = collections.namedtuple("_Entry", "slot path")
+
+
+# A kernel narrowed to some of its variants (the ones the installed torch_npu can run, or the ones it
+# refuses), as ``choose_variant`` judges it: by its name, its variants and its own reference ops.
+_Narrowed = collections.namedtuple("_Narrowed", "name ops variants reference")
+
+
+def _narrowed(kernel, variants):
+    return _Narrowed(kernel.name, kernel.ops, tuple(variants), kernel.reference)
 
 
 def _install(model, module, site, kernel, choice, npu, plan):

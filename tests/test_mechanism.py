@@ -226,7 +226,7 @@ def test_math_mismatch_leaves_the_target_stock_and_the_model_partial(npu_stand_i
         models.Target("rope", "rotate_half"),
         module=modeling_qwen3.__name__,
     )
-    monkeypatch.setitem(models.MODELS, "qwen3_mismatch", entry)
+    monkeypatch.setitem(STATE.models, "qwen3_mismatch", entry)
     rotate_half = modeling_qwen3.rotate_half
     npu_autopatch.enable(models=["qwen3_mismatch"])
     record = npu_autopatch.status()["qwen3_mismatch"]
@@ -235,6 +235,22 @@ def test_math_mismatch_leaves_the_target_stock_and_the_model_partial(npu_stand_i
     assert record.reason.startswith(f"rope not applied to {modeling_qwen3.__name__}:rotate_half: ")
     assert "signature" in record.reason
     assert modeling_qwen3.rotate_half is rotate_half
+
+
+def test_the_model_table_is_read_only_and_register_changes_the_registry():
+    """models.MODELS is the shipped table, data; register() changes the registry in the state, and
+    unregister() brings a built-in entry back from the table."""
+    built_in = models.MODELS["llama"]
+    with pytest.raises(TypeError):
+        models.MODELS["llama"] = models.Model("llama", models.Target("rms_norm", "LlamaRMSNorm.forward"))
+    assert STATE.models["llama"] is built_in
+    mine = models.Model("llama", models.Target("rms_norm", "LlamaRMSNorm.forward"))
+    npu_autopatch.register(mine, replace=True)
+    try:
+        assert STATE.models["llama"] is mine and models.MODELS["llama"] is built_in
+    finally:
+        npu_autopatch.unregister("llama")
+    assert STATE.models["llama"] is built_in
 
 
 def test_a_kernel_narrowed_to_the_variants_the_device_runs_keeps_its_own_reference_ops(
@@ -283,7 +299,7 @@ def test_shared_target_stays_patched_while_another_model_holds_it(npu_stand_in, 
     alias = models.Model(
         "qwen2_alias", models.Target("rms_norm", "Qwen2RMSNorm.forward"), module=modeling_qwen2.__name__
     )
-    monkeypatch.setitem(models.MODELS, "qwen2_alias", alias)
+    monkeypatch.setitem(STATE.models, "qwen2_alias", alias)
     original = modeling_qwen2.Qwen2RMSNorm.__dict__["forward"]
     npu_autopatch.enable(models=["qwen2", "qwen2_alias"])
     patched = modeling_qwen2.Qwen2RMSNorm.__dict__["forward"]

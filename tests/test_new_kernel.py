@@ -9,6 +9,7 @@ from transformers.models.mistral import modeling_mistral
 
 import npu_autopatch
 from npu_autopatch import Model, Target, _candidates, _config, models
+from npu_autopatch._state import STATE
 from npu_autopatch.testing.parity import check_parity, tiny_model
 
 from .acme_kernel import OP, ROTARY_TABLE
@@ -37,7 +38,7 @@ def acme(npu_stand_in):
     yield npu_stand_in
     npu_autopatch.disable()
     npu_autopatch.unregister("llama")  # the built-in entry comes back
-    assert models.MODELS["llama"] is saved
+    assert STATE.models["llama"] is saved
 
 
 @ON_4X

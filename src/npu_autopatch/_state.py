@@ -65,9 +65,10 @@ class _State:
         self.enabled = False
         self.config = None  # the Config of the current enable()
         self.generation = 0  # bumped by enable()/disable(): a plan made under an older one is dropped
-        # The model registry: the built-in table, then entry-point plugins and register().
-        # models.MODELS is this very dict, so that code reading the table sees registrations.
-        self.models = MODELS
+        # The model registry, what every reader of the models known now reads: the built-in table
+        # (models.MODELS, read-only), then entry-point plugins and register() (through _control and
+        # _plugins only).
+        self.models = dict(MODELS)
         self.plugins_discovered = False
         # Hooks (_hooks): the stdlib watcher, whether the wrapt hooks are armed (or why not),
         # the modules with a hook of ours in wrapt's table, the get_class_in_module we wrapped.

@@ -460,7 +460,7 @@ def _choose(kernel, site, npu):
 
 
 # A located target as a kernel's own install reads it (``Kernel.install``).
-Located = collections.namedtuple("Located", "model_type module path owner attr current where")
+Located = collections.namedtuple("Located", "model_type module path owner attr current had_own stock where")
 # One ledger entry of a plan: the slot, and its path in the module (None: not the module's, e.g. a registry).
 _Entry = collections.namedtuple("_Entry", "slot path")
 
@@ -515,7 +515,17 @@ def _install(model, module, site, kernel, choice, npu, plan):
         return _Entry(ledger_slot, path)
 
     install = getattr(kernel, "install", None)
-    located = Located(model.model_type, module, found.path, found.owner, found.attr, found.current, where)
+    located = Located(
+        model.model_type,
+        module,
+        found.path,
+        found.owner,
+        found.attr,
+        found.current,
+        found.had_own,
+        choice.stock,
+        where,
+    )
     entries = install(located, build, slot) if install is not None else None
     if entries is None:
         replacement = build(choice.stock)

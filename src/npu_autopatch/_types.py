@@ -210,7 +210,9 @@ class Kernel:
     than swapping the target's attribute (the moe kernel on transformers 5.x, whose experts
     transformers dispatches through its experts registry: kernels/moe/_experts_registry.py).
     ``target`` is the located target: its ``model_type``, ``module``, ``path`` in the module,
-    ``owner``, ``attr``, what it holds now (``current``) and how status() names it (``where``).
+    ``owner``, ``attr``, what it holds now (``current``), whether the owner defines it itself
+    (``had_own``), the code the chosen variant reproduces (``stock``) and how status() names it
+    (``where``).
     ``build(stock)`` builds the chosen variant's replacement, running ``stock`` for a call it does
     not take. ``slot(owner, attr, original, replacement, had_own, where, path=None, plumbing=False,
     seen=<original>)`` is one ledger entry: ``owner.attr`` (``owner`` a class, a module or a dict)

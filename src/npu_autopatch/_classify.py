@@ -30,7 +30,7 @@ class ModuleEntry:
     name: str  # the class's qualified name
     module: str  # the module that defines the class
     count: int  # instances in the model
-    origin: str  # ours / stock / foreign: what the class runs (per instance for 5.x experts)
+    origin: str  # ours / stock / foreign: what the class runs (per instance where a kernel reads it)
     via: str  # how: "forward", "moe", "experts interface 'npu_grouped_mm'", ...
     defined_by: str  # the module that defines the code that runs
     kind: str | None = None  # norm / mlp / moe when the name looks like a kernel's target

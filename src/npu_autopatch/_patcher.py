@@ -497,22 +497,13 @@ def _install(model, module, site, kernel, choice, npu, plan):
     def slot(
         owner, attr, original, replacement, had_own, where, path=None, plumbing=False, seen=_ledger.ORIGINAL
     ):
-        if plumbing:
-            return _Entry(_ledger.Slot(owner, attr, original, replacement, had_own, where, seen=seen), path)
-        names = (kernel.name, choice.variant.name)
-        ledger_slot = _ledger.Slot(
-            owner,
-            attr,
-            original,
-            replacement,
-            had_own,
-            where,
-            *names,
-            seen=seen,
-            refresh=kernel.refresh,
-            note=choice.note,
+        ours = {}  # plumbing: no kernel of ours, no target status() lists
+        if not plumbing:
+            ours = {"kernel": kernel.name, "variant": choice.variant.name}
+            ours.update(refresh=kernel.refresh, note=choice.note)
+        return _Entry(
+            _ledger.Slot(owner, attr, original, replacement, had_own, where, seen=seen, **ours), path
         )
-        return _Entry(ledger_slot, path)
 
     install = getattr(kernel, "install", None)
     located = Located(

@@ -79,6 +79,13 @@ def test_an_explicit_choice_wins_and_status_says_so(npu_stand_in):
     record = npu_autopatch.status()["qwen3_moe"]
     assert record.state == "applied"
     assert "experts_implementation='eager'" in record.reason, record.reason
+    note = (
+        "models given experts_implementation='eager' run that, not the moe kernel (an explicit choice wins)"
+    )
+    assert note in record.notes, record.notes
+    npu_autopatch.disable()
+    npu_autopatch.enable(models=["qwen3_moe"], kernels=["moe"])  # a new enable(): told of new choices only
+    assert note not in npu_autopatch.status()["qwen3_moe"].notes
 
 
 def test_disable_unregisters_and_a_model_built_while_patched_keeps_running(npu_stand_in):

@@ -142,6 +142,7 @@ def test_device_and_op_faults_leave_the_model_stock_and_say_why():
 MODEL_FAULTS = """
 import wrapt
 from npu_autopatch import models
+from npu_autopatch._state import STATE
 
 def foreign_patch(module):
     module.MistralRMSNorm.forward = foreign_forward
@@ -150,7 +151,7 @@ def raising_hook(module):
     raise RuntimeError("another library's hook failed")
 
 # As if transformers renamed LlamaMLP: the table names a class the module does not have.
-models.MODELS["llama"] = models.Model(
+STATE.models["llama"] = models.Model(
     "llama",
     models.Target("rms_norm", "LlamaRMSNorm.forward"),
     models.Target("swiglu", "LlamaMLPRenamed.forward"),
@@ -228,9 +229,10 @@ def test_faults_of_one_model_leave_the_others_patched():
 
 STRICT_FAULTS = """
 from npu_autopatch import kernels, models
+from npu_autopatch._state import STATE
 
 ForeignFinder.install("gemma3", "Gemma3RMSNorm")
-models.MODELS["qwen3"] = models.Model("qwen3", models.Target("swiglu", "Qwen3MLPRenamed.forward"))
+STATE.models["qwen3"] = models.Model("qwen3", models.Target("swiglu", "Qwen3MLPRenamed.forward"))
 
 def strict_import(name):
     try:

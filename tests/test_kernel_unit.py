@@ -61,15 +61,6 @@ def declared():
     return set(KERNELS), ops, modules
 
 
-# The mechanism modules that still name a kernel, each until its part moves into the kernels (issue
-# 26). Listed, never skipped: the test fails both when another module names a kernel and when a
-# module listed here no longer does (then its line goes).
-NOT_YET_MOVED = {
-    "_experts.py": "the MoE kernel's experts-registry install",
-    "_report.py": "the swiglu, moe, attention and loss parts of report(model)",
-}
-
-
 def test_no_mechanism_module_names_a_kernel():
     kernels, ops, modules = declared()
     assert {"rope", "loss"} <= kernels and "npu_rms_norm" in ops and "attention" in modules  # read, not empty
@@ -79,10 +70,8 @@ def test_no_mechanism_module_names_a_kernel():
         found = names_of_kernels(path.read_text(), kernels, ops, modules)
         if found:
             named[path.name] = found
-    unlisted = {m: places for m, places in named.items() if m not in NOT_YET_MOVED}
-    listing = "\n".join(f"{m}:{line}: {what}" for m, places in unlisted.items() for line, what in places)
-    assert unlisted == {}, listing
-    assert sorted(named) == sorted(NOT_YET_MOVED), "a module no longer names a kernel: take it off the list"
+    listing = "\n".join(f"{m}:{line}: {what}" for m, places in named.items() for line, what in places)
+    assert named == {}, listing
 
 
 def test_the_check_finds_a_kernel_named_by_the_mechanism():

@@ -11,6 +11,7 @@ from transformers.models.qwen3 import modeling_qwen3
 
 import npu_autopatch
 from npu_autopatch import _ledger, models
+from npu_autopatch._state import STATE
 from npu_autopatch.kernels import KERNELS, Kernel, Variant
 from npu_autopatch.testing import stand_in
 
@@ -225,7 +226,7 @@ def test_math_mismatch_leaves_the_target_stock_and_the_model_partial(npu_stand_i
         models.Target("rope", "rotate_half"),
         module=modeling_qwen3.__name__,
     )
-    monkeypatch.setitem(models.MODELS, "qwen3_mismatch", entry)
+    monkeypatch.setitem(STATE.models, "qwen3_mismatch", entry)
     rotate_half = modeling_qwen3.rotate_half
     npu_autopatch.enable(models=["qwen3_mismatch"])
     record = npu_autopatch.status()["qwen3_mismatch"]
@@ -236,12 +237,69 @@ def test_math_mismatch_leaves_the_target_stock_and_the_model_partial(npu_stand_i
     assert modeling_qwen3.rotate_half is rotate_half
 
 
+def test_the_model_table_is_read_only_and_register_changes_the_registry():
+    """models.MODELS is the shipped table, data; register() changes the registry in the state, and
+    unregister() brings a built-in entry back from the table."""
+    built_in = models.MODELS["llama"]
+    with pytest.raises(TypeError):
+        models.MODELS["llama"] = models.Model("llama", models.Target("rms_norm", "LlamaRMSNorm.forward"))
+    assert STATE.models["llama"] is built_in
+    mine = models.Model("llama", models.Target("rms_norm", "LlamaRMSNorm.forward"))
+    npu_autopatch.register(mine, replace=True)
+    try:
+        assert STATE.models["llama"] is mine and models.MODELS["llama"] is built_in
+    finally:
+        npu_autopatch.unregister("llama")
+    assert STATE.models["llama"] is built_in
+
+
+def test_a_kernel_narrowed_to_the_variants_the_device_runs_keeps_its_own_reference_ops(
+    npu_stand_in, monkeypatch
+):
+    """A plugin's kernel whose first variant the torch_npu refuses is probed without it, on the
+    kernel's own reference op still (Kernel.reference), and says why it runs the second."""
+    built_on = []  # the op each build was given: the reference op's in a probe, the device's else
+
+    def reference_identity(function):
+        return function
+
+    def build(stock, npu, on_error):
+        identity = npu.npu_acme_identity
+        built_on.append(identity)
+        return lambda self, hidden_states: identity(stock)(self, hidden_states)
+
+    def probe(stock, candidate):
+        return None
+
+    kernel = Kernel(
+        "acme_norm",
+        ("npu_acme_identity",),
+        (
+            Variant("newer", build, probe, requires=lambda npu: "needs a newer torch_npu"),
+            Variant("plain", build, probe),
+        ),
+        reference={"npu_acme_identity": reference_identity},
+    )
+    entry = models.Model(
+        "qwen3_narrowed", models.Target(kernel, "Qwen3RMSNorm.forward"), module=modeling_qwen3.__name__
+    )
+    monkeypatch.setitem(STATE.models, "qwen3_narrowed", entry)
+    monkeypatch.setattr(npu_stand_in, "npu_acme_identity", lambda function: function, raising=False)
+    npu_autopatch.enable(models=["qwen3_narrowed"])
+    record = npu_autopatch.status()["qwen3_narrowed"]
+    assert record.state == "applied", record.reason
+    assert list(record.variants.values()) == ["plain"]
+    assert "runs its plain variant, not newer: needs a newer torch_npu" in record.reason
+    # Probed on the kernel's reference op: the variants it runs, then the ones it refuses.
+    assert built_on[:2] == [reference_identity, reference_identity], built_on
+
+
 def test_shared_target_stays_patched_while_another_model_holds_it(npu_stand_in, monkeypatch):
     # In transformers 4.57 Qwen2.5-VL uses qwen2's Qwen2RMSNorm: two models, one target.
     alias = models.Model(
         "qwen2_alias", models.Target("rms_norm", "Qwen2RMSNorm.forward"), module=modeling_qwen2.__name__
     )
-    monkeypatch.setitem(models.MODELS, "qwen2_alias", alias)
+    monkeypatch.setitem(STATE.models, "qwen2_alias", alias)
     original = modeling_qwen2.Qwen2RMSNorm.__dict__["forward"]
     npu_autopatch.enable(models=["qwen2", "qwen2_alias"])
     patched = modeling_qwen2.Qwen2RMSNorm.__dict__["forward"]

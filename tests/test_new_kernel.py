@@ -1,6 +1,6 @@
 """A complete new kernel from files of its own (tests/acme_kernel): a new op on the stand-in, its rows
-and a flag in report(), an opt-in switch, discovery patterns; it patches a real model and passes the
-parity harness with no change to the mechanism (issue 26)."""
+and a flag in report(), an opt-in switch, discovery patterns, an install of its own; it patches a real
+model and passes the parity harness with no change to the mechanism (issue 26)."""
 
 import pytest
 import transformers
@@ -9,9 +9,10 @@ from transformers.models.mistral import modeling_mistral
 
 import npu_autopatch
 from npu_autopatch import Model, Target, _candidates, _config, models
+from npu_autopatch._state import STATE
 from npu_autopatch.testing.parity import check_parity, tiny_model
 
-from .acme_kernel import OP, ROTARY_TABLE
+from .acme_kernel import OP, ROTARY_TABLE, TABLES
 
 ROTARY = Target(ROTARY_TABLE, "LlamaRotaryEmbedding.forward")
 # transformers 4.x wraps the rotary forward in torch.no_grad(), whose wrapper is torch's code: the
@@ -37,7 +38,7 @@ def acme(npu_stand_in):
     yield npu_stand_in
     npu_autopatch.disable()
     npu_autopatch.unregister("llama")  # the built-in entry comes back
-    assert models.MODELS["llama"] is saved
+    assert STATE.models["llama"] is saved
 
 
 @ON_4X
@@ -81,6 +82,22 @@ def test_report_shows_its_rows_and_flags(acme):
     assert (entry.origin, entry.kernel) == ("ours", "rotary_table")
     assert [f.message for f in coverage.flags if f.kind == "rotary_table"] == ["its table is scaled by 0.5"]
     assert "rotary_table" in coverage.as_dict() and "| rotary_table | n | scaling |" in coverage.markdown()
+
+
+@ON_4X
+def test_its_own_install_puts_its_entries_in_and_takes_them_out(acme):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    stock = LlamaRotaryEmbedding.__dict__["forward"]
+    npu_autopatch.enable(models=["llama"], rotary_table=True)
+    replacement = LlamaRotaryEmbedding.__dict__["forward"]
+    assert replacement is not stock and dict(TABLES) == {"LlamaRotaryEmbedding": replacement}
+    targets = npu_autopatch.status()["llama"].targets  # its plumbing is no target
+    assert [t for t in targets if "Rotary" in t or "TABLES" in t] == [
+        "transformers.models.llama.modeling_llama:LlamaRotaryEmbedding.forward"
+    ]
+    npu_autopatch.disable()
+    assert not TABLES and LlamaRotaryEmbedding.__dict__["forward"] is stock
 
 
 def test_discovery_nominates_its_candidates(acme):

@@ -8,7 +8,8 @@ from transformers.models.helium import modeling_helium
 from transformers.models.qwen3 import modeling_qwen3  # noqa: F401 - imported, so enable() patches it
 
 import npu_autopatch
-from npu_autopatch import Kernel, Model, Target, Variant, models
+from npu_autopatch import Kernel, Model, Target, Variant
+from npu_autopatch._state import STATE
 
 from .conftest import STAND_IN_SITE, run_python
 
@@ -26,14 +27,14 @@ HELIUM = (
 @pytest.fixture
 def registry():
     """Registrations made by a test are dropped after it (the registry is process-wide)."""
-    saved = dict(models.MODELS)
-    yield models.MODELS
+    saved = dict(STATE.models)
+    yield STATE.models
     npu_autopatch.disable()
-    for model_type in set(models.MODELS) | set(saved):
-        if models.MODELS.get(model_type) is not saved.get(model_type):
+    for model_type in set(STATE.models) | set(saved):
+        if STATE.models.get(model_type) is not saved.get(model_type):
             npu_autopatch.unregister(model_type)
             if model_type in saved:
-                models.MODELS[model_type] = saved[model_type]
+                STATE.models[model_type] = saved[model_type]
 
 
 def test_register_after_enable_patches_at_once_and_disable_undoes_it(npu_stand_in, registry):

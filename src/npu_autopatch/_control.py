@@ -17,6 +17,7 @@ import sys
 from . import _config, _log
 from ._state import STATE, locked
 from ._types import Model
+from .models import MODELS  # the shipped table (read-only): a built-in comes back from it after unregister()
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # without importing typing at interpreter start
@@ -24,8 +25,6 @@ if TYPE_CHECKING:  # without importing typing at interpreter start
 
     from ._records import PatchRecord
     from ._types import Target
-
-_BUILTIN = dict(STATE.models)  # the shipped table, to restore a built-in after unregister()
 
 
 def _hooks():
@@ -163,7 +162,7 @@ def _new_generation():
     STATE.generation += 1
     STATE.device = None
     STATE.requirements.clear()
-    STATE.explicit_experts.clear()
+    STATE.kernel_notes.clear()
 
 
 def _revert_all(why):
@@ -238,7 +237,7 @@ def register(
         if existing is not None and not replace:
             kind = (
                 "a built-in model"
-                if existing.load is None and model.model_type in _BUILTIN
+                if existing.load is None and model.model_type in MODELS
                 else "already registered"
             )
             raise ValueError(f"{model.model_type!r} is {kind}; pass replace=True to replace it")
@@ -263,8 +262,8 @@ def unregister(model_type: str) -> None:
         if model_type not in STATE.models:
             raise ValueError(f"{model_type!r} is not registered")
         _forget(model_type)
-        if model_type in _BUILTIN:
-            STATE.models[model_type] = _BUILTIN[model_type]
+        if model_type in MODELS:
+            STATE.models[model_type] = MODELS[model_type]
         else:
             del STATE.models[model_type]
         if STATE.remote_wrapped is not None and not any(_hooks().is_remote(m) for m in STATE.models.values()):
@@ -274,7 +273,7 @@ def unregister(model_type: str) -> None:
 def _forget(model_type):
     _ledger().release_all(model_type)
     STATE.records.pop(model_type, None)
-    STATE.explicit_experts.pop(model_type, None)
+    STATE.kernel_notes.pop(model_type, None)
 
 
 def status() -> dict[str, PatchRecord]:

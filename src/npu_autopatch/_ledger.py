@@ -16,7 +16,7 @@ import collections
 from ._resolve import current, foreign_holder, resolve
 from ._state import STATE
 
-_ORIGINAL = object()  # Slot(seen=...) default: the plan found the original there
+ORIGINAL = object()  # Slot(seen=...) default: the plan found the original there
 
 # Why a model's kernels no longer sit on what its module holds (moved()): ``gone`` when the module is
 # no longer imported (its import failed after patching), else ``code`` (a ReasonCode value) and ``why``.
@@ -51,7 +51,7 @@ class Slot:
         where,
         kernel=None,
         variant=None,
-        seen=_ORIGINAL,
+        seen=ORIGINAL,
         refresh=None,
         note=None,
     ):
@@ -64,7 +64,7 @@ class Slot:
         self.where = where  # the target as status() names it
         self.kernel = kernel  # None for plumbing (transformers' experts registry and its default)
         self.variant = variant
-        self.seen = original if seen is _ORIGINAL else seen  # what the plan found there (checked at commit)
+        self.seen = original if seen is ORIGINAL else seen  # what the plan found there (checked at commit)
         self.refresh = refresh  # the kernel's refresh(): a cache of this attribute follows each swap
         self.note = note  # why this variant and not an earlier one (a requirement refused that), or None
 

@@ -23,15 +23,16 @@ imports a modeling module or calls enable()/status(); none does. Patching never 
 joins a thread and writes its log lines after letting go of the package lock (_state.locked).
 """
 
+import collections
 import contextlib
 import sys
 from dataclasses import replace
 
-from . import _device, _experts, _ledger, _log, _resolve
+from . import _device, _ledger, _log, _resolve
 from ._failures import is_op_failure
 from ._records import PatchError, PatchRecord, ReasonCode, State, TargetReason
 from ._state import STATE, locked
-from ._types import BUILTIN_KERNELS, Calls, Kernel
+from ._types import BUILTIN_KERNELS, Calls
 from .kernels import KERNELS, choose_variant
 
 
@@ -132,7 +133,7 @@ def _conclude(model, module, config, plan):
         if plan.code is not ReasonCode.NO_NPU:  # that one was said once, for every model
             _log.warning(f"{model.model_type}: {verb}: {plan}")
         return _record(model, state, plan.code, str(plan))
-    steps, placed, stock, counted = plan
+    steps, stock = plan.steps, plan.stock
     for key, slot in steps:
         held = STATE.slots.get(key)
         now = _resolve.current(slot.owner, slot.attr)
@@ -150,12 +151,12 @@ def _conclude(model, module, config, plan):
         rec = _record(model, State.SKIPPED, first_code, refused, stock_reasons=stock)
         return replace(rec, state=State.PARTIAL, cause=None)
     try:
-        _ledger.commit(model.model_type, module, steps, placed)
+        _ledger.commit(model.model_type, module, steps, plan.placed)
     except Exception as exc:
         cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _ledger.SwapRefused) else str(exc)
         _log.warning(f"{model.model_type}: failed, left stock: {cause}")
         return _record(model, State.FAILED, ReasonCode.SWAP_FAILED, cause)
-    STATE.calls.update(counted)
+    STATE.calls.update(plan.counted)
     rec = STATE.records[model.model_type] = _applied_record(model, stock)
     if stock:
         listed = ", ".join(f"{where} ({reason.code.value})" for where, reason in stock.items())
@@ -231,8 +232,9 @@ def _load_plugin(model):
         ) from exc
 
 
-def _on_error(model_type, key, built, fallback=None, calls=None):
-    """Contract C1: the on_error a replacement calls when its fused op raised.
+def _on_error(model_type, placed, fallback=None, calls=None):
+    """Contract C1: the on_error a replacement calls when its fused op raised (``placed``: where the
+    replacement was put, a ``_Placed`` filled once it is installed).
 
     It re-raises what is not the op's own failure (torch's control flow, out of memory: see
     _failures), else counts the call as stock (``op-failed``), demotes the target and never raises.
@@ -244,7 +246,7 @@ def _on_error(model_type, key, built, fallback=None, calls=None):
             raise exc
         on_error.calls.went_stock(OP_FAILED_CALL, tensors)
         try:
-            _demote(key, built, exc, tensors, fallback)
+            _demote(placed, exc, tensors, fallback)
         except Exception as internal:  # the user's forward goes on with the stock result
             _log.warning(f"{model_type}: could not put the stock code back after {exc!r}: {internal!r}")
 
@@ -279,15 +281,26 @@ def _describe(tensors):
     return ", ".join(shown) or "no tensors"
 
 
-def _demote(key, built, exc, tensors, fallback=None):
+class _Placed:
+    """Where a replacement was put: its ledger key and the replacement (None until it is installed)."""
+
+    __slots__ = ("key", "replacement")
+
+    def __init__(self):
+        self.key = self.replacement = None
+
+
+def _demote(placed, exc, tensors, fallback=None):
     """Put the stock object back for the rest of the process; record and log it once. A kernel with
     a ``fallback`` keeps its replacement in place: it runs that fallback itself from now on."""
     with locked:
-        if fallback is None:
-            slot = _ledger.put_back(key, built[0]) if built else None
+        if placed.replacement is None:
+            slot = None
+        elif fallback is None:
+            slot = _ledger.put_back(placed.key, placed.replacement)
         else:
-            slot = STATE.slots.get(key)
-            if slot is not None and (not built or slot.replacement is not built[0]):
+            slot = STATE.slots.get(placed.key)
+            if slot is not None and slot.replacement is not placed.replacement:
                 slot = None
         if slot is None:
             return  # another call demoted it first (or disable() came)
@@ -328,8 +341,7 @@ def present_targets(targets):
 def _plan(model, module, config, generation):
     """Locate, choose and install every selected target, in a plan; swap nothing.
 
-    Returns (steps, placed paths, {target left stock: TargetReason}, {target: Calls}); raises
-    _Failure/_Skip.
+    Returns the ``_Plan``; raises _Failure/_Skip.
     """
     npu, reason = _decide_device(generation)
     if npu is None:
@@ -353,7 +365,7 @@ def _plan(model, module, config, generation):
             plan.stock[site.where] = _left_stock(choice.code, kernel, site.where, choice.why)
             continue
         _install(model, module, site, kernel, choice, npu, plan)
-    return plan.steps, plan.placed, plan.stock, plan.counted
+    return plan
 
 
 class _Plan:
@@ -426,11 +438,9 @@ def _choose(kernel, site, npu):
     refused = [v for v in kernel.variants if v not in allowed]
     stock_code = _resolve.stock_function(site.found.current) or site.found.current  # what it must reproduce
     try:
-        variant, mismatch = choose_variant(
-            Kernel(kernel.name, kernel.ops, allowed) if refused else kernel, stock_code
-        )
+        variant, mismatch = choose_variant(_narrowed(kernel, allowed) if refused else kernel, stock_code)
         # A refused variant that would reproduce the target: the torch_npu is the reason.
-        wanted = choose_variant(Kernel(kernel.name, kernel.ops, refused), stock_code)[0] if refused else None
+        wanted = choose_variant(_narrowed(kernel, refused), stock_code)[0] if refused else None
     except Exception as exc:
         raise _Failure(
             "probe-error",
@@ -449,60 +459,77 @@ def _choose(kernel, site, npu):
     return _Choice(variant, stock_code, note)
 
 
+# A located target as a kernel's own install reads it (``Kernel.install``).
+Located = collections.namedtuple("Located", "model_type module path owner attr current had_own stock where")
+# One ledger entry of a plan: the slot, and its path in the module (None: not the module's, e.g. a registry).
+_Entry = collections.namedtuple("_Entry", "slot path")
+
+
+# A kernel narrowed to some of its variants (the ones the installed torch_npu can run, or the ones it
+# refuses), as ``choose_variant`` judges it: by its name, its variants and its own reference ops.
+_Narrowed = collections.namedtuple("_Narrowed", "name ops variants reference")
+
+
+def _narrowed(kernel, variants):
+    return _Narrowed(kernel.name, kernel.ops, tuple(variants), kernel.reference)
+
+
 def _install(model, module, site, kernel, choice, npu, plan):
-    """Build the chosen variant's replacement and add the ledger steps that put it in place."""
+    """Build the chosen variant's replacement and add the ledger entries that put it in place: the
+    kernel's own ``install`` when it has one for this target, else a swap of the target's attribute."""
     found, where = site.found, site.where
-    interface = _experts.interface_of(found.current)
-    built = []
     calls = plan.counted[where] = _counter(where)
-    on_error = _on_error(
-        model.model_type,
-        site.key if interface is None else (id(found.owner), _experts.ATTR),
-        built,
-        getattr(kernel, "fallback", None),
-        calls,
-    )
-    try:
-        fallback = _experts.fallback(found.current) if interface is not None else choice.stock
-        replacement = choice.variant.build(fallback, npu, on_error)
-    except Exception as exc:
-        raise _Failure(
-            "build-error",
-            f"kernel {kernel.name} raised while building for {where}: {type(exc).__name__}: {exc}",
-        ) from exc
-    built.append(replacement)
-    with contextlib.suppress(AttributeError, TypeError):  # a plugin's callable may refuse it
-        replacement.__wrapped__ = found.current  # what it replaces, as functools.wraps would say
-    if interface is not None:
-        # transformers 5.x's experts dispatch through its experts registry: installed there (_experts)
-        steps, placed = _experts.slots(
-            model.model_type,
-            module,
-            found.owner,
-            found.path,
-            found.current,
-            interface,
-            kernel.name,
-            choice.variant.name,
-            replacement,
+    placed = _Placed()
+    on_error = _on_error(model.model_type, placed, getattr(kernel, "fallback", None), calls)
+
+    def build(stock):
+        try:
+            replacement = choice.variant.build(stock, npu, on_error)
+        except Exception as exc:
+            raise _Failure(
+                "build-error",
+                f"kernel {kernel.name} raised while building for {where}: {type(exc).__name__}: {exc}",
+            ) from exc
+        with contextlib.suppress(AttributeError, TypeError):  # a plugin's callable may refuse it
+            replacement.__wrapped__ = found.current  # what it replaces, as functools.wraps would say
+        return replacement
+
+    def slot(
+        owner, attr, original, replacement, had_own, where, path=None, plumbing=False, seen=_ledger.ORIGINAL
+    ):
+        ours = {}  # plumbing: no kernel of ours, no target status() lists
+        if not plumbing:
+            ours = {"kernel": kernel.name, "variant": choice.variant.name}
+            ours.update(refresh=kernel.refresh, note=choice.note)
+        return _Entry(
+            _ledger.Slot(owner, attr, original, replacement, had_own, where, seen=seen, **ours), path
         )
-        plan.steps += steps
-        plan.placed += placed
-        return
-    names = (kernel.name, choice.variant.name)
-    slot = _ledger.Slot(
+
+    install = getattr(kernel, "install", None)
+    located = Located(
+        model.model_type,
+        module,
+        found.path,
         found.owner,
         found.attr,
         found.current,
-        replacement,
         found.had_own,
+        choice.stock,
         where,
-        *names,
-        refresh=kernel.refresh,
-        note=choice.note,
     )
-    plan.steps.append((site.key, slot))
-    plan.placed.append((found.path, site.key))
+    entries = install(located, build, slot) if install is not None else None
+    if entries is None:
+        replacement = build(choice.stock)
+        entries = [
+            slot(found.owner, found.attr, found.current, replacement, found.had_own, where, path=found.path)
+        ]
+    for entry in entries:
+        key = (id(entry.slot.owner), entry.slot.attr)
+        plan.steps.append((key, entry.slot))
+        if entry.path is not None:
+            plan.placed.append((entry.path, key))
+    first = entries[0].slot  # the replacement's own: what a fused op's failure puts back
+    placed.key, placed.replacement = (id(first.owner), first.attr), first.replacement
 
 
 def _left_stock(code, kernel, where, why):

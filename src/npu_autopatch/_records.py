@@ -13,7 +13,6 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from . import _ledger, _log, _resolve
-from ._experts import explicit_note
 from ._state import STATE, locked
 
 
@@ -229,9 +228,9 @@ def _live(model, roots):
     elif rec.state in (State.APPLIED, State.PARTIAL) and model_type in STATE.placed:
         rec = _downgraded(rec, model_type) or rec
         _tell(rec)
-        note = explicit_note(model_type)
-        if note and rec.state in (State.APPLIED, State.PARTIAL):
-            rec = replace(rec, notes=(*rec.notes, note))
+        notes = tuple(filter(None, map(str, STATE.kernel_notes.get(model_type, {}).values())))
+        if notes and rec.state in (State.APPLIED, State.PARTIAL):
+            rec = replace(rec, notes=(*rec.notes, *notes))
     counted = {
         where: STATE.calls[where].as_dict()
         for where in (*rec.targets, *rec.stock_reasons)

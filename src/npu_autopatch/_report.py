@@ -11,8 +11,9 @@ implementation: only the live object tells. So the report reads the model, not t
 - every module class of ``model.modules()``, with its instance count, as *ours* (one of our
   replacements: a ledger slot's, or a function of this package that carries ``__wrapped__``),
   *stock* (transformers' or torch's own code) or *foreign* (named by its defining module).
-  5.x fused experts dispatch through transformers' experts interface: they are ours when the
-  instance's config selects our implementation and the class holds our kernel;
+  A kernel whose install does more than swap an attribute reads its instances itself
+  (``Report.origin``: the moe kernel's 5.x fused experts, which transformers' experts interface
+  dispatches by the instance's config);
 - the module-level rotary functions (and chunked gated delta rules) of the model's modeling
   modules (and of the user's own modules its classes come from);
 - flags: a norm/MLP/experts/rotary-looking target on stock code (named by
@@ -21,65 +22,51 @@ implementation: only the live object tells. So the report reads the model, not t
   code of any other origin (the user's own classes, another library's code in transformers'
   place) that a kernel reproduces, as the probes say, with how to patch it.
 
+One job per module: ``_classify`` reads what each class and function runs, ``_explain`` says why
+(the flags), and this one holds the report's data, renders it, and runs the two in ``report()``.
+The entries and flags are defined in ``_classify`` and importable from here, as before.
+
 Imports torch (through ``_candidates``); only imported when a report is asked for.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import sys
 from dataclasses import dataclass, field
 
-from . import _candidates, _config, _control, _experts, _resolve
-from ._records import PatchRecord, ReasonCode, State, describe_calls
-from ._state import STATE, locked
+from . import _candidates, _control
+from ._classify import (
+    FOREIGN,
+    OURS,
+    STOCK,
+    Flag,
+    FunctionEntry,
+    ModuleEntry,
+    Ours,
+    delegates,
+    module_entry,
+    origin_of,
+    report_hooks,
+)
+from ._explain import kernel_flags, stock_flag, unpatched_flags
+from ._records import PatchRecord, describe_calls
 from ._table import columns
-from .kernels._catalog import SWITCHES
 
-OURS, STOCK, FOREIGN = "ours", "stock", "foreign"
+__all__ = [
+    "FOREIGN",
+    "OURS",
+    "STOCK",
+    "CoverageReport",
+    "Flag",
+    "FunctionEntry",
+    "ModuleEntry",
+    "Section",
+    "report",
+]
+
 # Modules whose classes are library code, not the user's own (whose rotary functions are listed too).
 _LIBRARIES = ("builtins", "torch", "transformers", "npu_autopatch")
-_GATED = (ReasonCode.KERNEL_UNSUPPORTED, ReasonCode.OP_MISSING)
-
-
-@dataclass
-class ModuleEntry:
-    """One module class of the model: what its code is and what its instances run."""
-
-    name: str  # the class's qualified name
-    module: str  # the module that defines the class
-    count: int  # instances in the model
-    origin: str  # ours / stock / foreign: what the class runs (per instance for 5.x experts)
-    via: str  # how: "forward", "moe", "experts interface 'npu_grouped_mm'", ...
-    defined_by: str  # the module that defines the code that runs
-    kind: str | None = None  # norm / mlp / moe when the name looks like a kernel's target
-    kernel: str | None = None  # our kernel, when ours
-    runs: dict[str, int] = field(default_factory=dict)  # instances by what they really run
-
-
-@dataclass
-class FunctionEntry:
-    """One module-level rotary function or chunked gated delta rule of the model's modeling modules
-    (or of the user's own modules its classes come from)."""
-
-    name: str  # "module:function"
-    origin: str
-    defined_by: str
-    kernel: str | None = None
-
-
-@dataclass
-class Flag:
-    """Something a user wants to know: a target left stock, a gated kernel, a captured instance,
-    code a kernel reproduces that nothing patches."""
-
-    # stock / gated / unpatched / captured-before-patching / captured-while-patched / instance-forward / loss
-    kind: str
-    subject: str  # the class or function it is about
-    message: str
-    code: str | None = None  # status()'s reason code, when it has one
-    instances: list[str] = field(default_factory=list)  # module names in the model (captured flags)
 
 
 @dataclass
@@ -224,244 +211,23 @@ def _runs(entry: ModuleEntry) -> str:
     return f"{entry.origin} ({', '.join(f'{n} {origin}' for origin, n in sorted(entry.runs.items()))})"
 
 
-# --- what a piece of code is -------------------------------------------------------------
-
-
-class _Ours:
-    """Our kernels' slots in the ledger, read once under the lock: what counts as ours."""
-
-    def __init__(self):
-        with locked:
-            self.slots = [slot for slot in STATE.slots.values() if slot.kernel is not None]
-        self.kernels = {id(slot.replacement): slot.kernel for slot in self.slots}
-
-
-def _function(obj):
-    """The plain function a callable runs: unwraps bound methods, partials and callable modules."""
-    for _ in range(8):
-        if isinstance(obj, functools.partial):
-            obj = obj.func
-        elif hasattr(obj, "__func__"):
-            obj = obj.__func__
-        else:
-            break
-    return _resolve.stock_function(obj) or obj
-
-
-def _defined_by(function) -> str:
-    """The module whose code this is (its globals), not the ``__module__`` a decorator copied."""
-    namespace = getattr(function, "__globals__", None) or {}
-    return namespace.get("__name__") or getattr(function, "__module__", None) or type(function).__module__
-
-
-def _origin(obj, ours) -> tuple[str, str, str | None]:
-    """(ours/stock/foreign, the module defining the code, our kernel name or None).
-
-    A torch or transformers decorator (``torch.no_grad()``, ``can_return_tuple``) is looked
-    through: the code it wraps decides.
-    """
-    function = _function(obj)
-    for _ in range(8):
-        module = _defined_by(function)
-        if id(function) in ours.kernels:
-            return OURS, module, ours.kernels[id(function)]
-        wrapped = getattr(function, "__wrapped__", None)
-        if module.startswith("npu_autopatch.") and wrapped is not None:
-            return OURS, module, None  # a replacement disable() took out of its class, still referenced
-        if wrapped is None or not (module == "torch" or module.startswith(("torch.", "transformers."))):
-            break
-        function = _function(wrapped)
-    if module == "torch" or module.startswith("torch."):
-        return STOCK, module, None
-    if hasattr(function, "__code__") and _resolve.is_own(function):
-        return STOCK, module, None
-    return FOREIGN, module, None
-
-
-def _experts_origin(instance, forward, ours):
-    """(origin, via, defined_by, kernel) of a 5.x experts instance, by the implementation it selects."""
-    interface = _experts.interface_of(forward)
-    selected = getattr(getattr(instance, "config", None), "_experts_implementation", None)
-    via = f"experts interface {selected!r}"
-    try:
-        function = interface.get_interface(selected, forward.__wrapped__) if selected != "eager" else None
-    except Exception:  # an implementation nobody registered: the model's forward raises
-        return FOREIGN, via, "unregistered", None
-    if function is None:
-        return STOCK, via, _defined_by(forward.__wrapped__), None
-    if function is _experts.npu_grouped_mm:
-        chosen = _experts.implementation(instance)
-        if chosen is getattr(type(instance), _experts.ATTR, None):
-            origin, defined_by, kernel = _origin(chosen, ours)
-            return origin, via, defined_by, kernel or "moe"
-        return STOCK, via + f" (runs {_experts.DEFAULT!r} of transformers)", _defined_by(chosen), None
-    origin, defined_by, _kernel = _origin(function, ours)
-    return origin, via, defined_by, None
-
-
-def _class_origin(cls, ours):
-    """(origin, via, defined_by, kernel) of a class's code: its forward, or another method we replaced."""
-    origin, defined_by, kernel = _origin(cls.forward, ours)
-    if origin != OURS:
-        # A method other than forward (4.x DeepSeek-V3's ``moe``) of a module class that computes (has
-        # a forward of its own): not a base class's bookkeeping method, such as the default attention
-        # choice on ``PreTrainedModel``, which every model class inherits and none computes with.
-        for slot in ours.slots:
-            if (
-                isinstance(slot.owner, type)
-                and issubclass(cls, slot.owner)
-                and "forward" in vars(slot.owner)
-                and slot.attr != "forward"
-                and slot.current() is slot.replacement
-            ):
-                return OURS, slot.attr, _defined_by(slot.replacement), slot.kernel
-    return origin, "forward", defined_by, kernel
-
-
-def _captured(instance):
-    """The function an instance-level ``forward`` finally runs, or None if the instance has none.
-
-    accelerate keeps the bound forward it wrapped in ``_old_forward``; other wrappers are
-    followed through ``__wrapped__`` (functools.wraps / update_wrapper) down to a bound method.
-    """
-    if "forward" not in vars(instance):
-        return None
-    inner = vars(instance).get("_old_forward")
-    if inner is None:
-        inner = vars(instance)["forward"]
-        for _ in range(8):
-            wrapped = getattr(inner, "__wrapped__", None)
-            if wrapped is None or getattr(inner, "__self__", None) is instance:
-                break  # a bound method: its own __wrapped__ is its function's decorator's
-            inner = wrapped
-    return inner
-
-
-def _hooker(instance) -> str:
-    """Who set the instance's ``forward``, for a flag."""
-    hook = vars(instance)["forward"]
-    if getattr(hook, "__self__", None) is instance:  # e.g. what remove_hook_from_module leaves
-        return "a bound method stored on the instance"
-    return f"by {_defined_by(_function(hook))}"
-
-
-# --- why a target is stock ---------------------------------------------------------------
-
-
-def _reason_for(where, module, records):
-    """(code, text) of why ``where`` ("module:qualname") runs stock, from status(), or (None, text)."""
-    for rec in records.values():
-        reason = rec.stock_reasons.get(where)
-        if reason is not None:
-            return reason.code, reason.text
-    for rec in records.values():
-        if rec.module != module.__name__:
-            continue
-        if rec.state not in (State.APPLIED, State.PARTIAL):
-            return rec.code, f"{rec.model} is {rec.state.value}: {rec.reason}"
-        target = _target_at(STATE.models.get(rec.model), module, where)
-        if target is None:
-            return None, f"{rec.model} is {rec.state.value}, but this is not one of its targets"
-        config = STATE.config
-        switch = getattr(target.kernel, "switch", None) or SWITCHES.get(target.kernel_name)
-        if config is not None and switch is not None and not config.selects(target.kernel):
-            off = "switched off" if getattr(target.kernel, "switched_on", False) else "opt-in"
-            return ReasonCode.NO_KERNEL_SELECTED, (
-                f"the {target.kernel_name} kernel is {off}: enable({switch}=True) or "
-                f"{_config.switch_variable(switch)}=1"
-            )
-        kernels = config.kernels if config is not None else None
-        if kernels is not None and not config.selects(target.kernel):
-            return ReasonCode.NO_KERNEL_SELECTED, (
-                f"the {target.kernel_name} kernel is not selected (enable(kernels=...) or "
-                f"NPU_AUTOPATCH_KERNELS: {', '.join(sorted(kernels))})"
-            )
-        if target.since is not None:
-            return None, f"its {target.kernel_name} target is left out before transformers {target.since}"
-        return None, f"{rec.model} is {rec.state.value}: {rec.reason}"
-    return None, f"{module.__name__} is not in the model table"
-
-
-def _target_at(model, module, where):
-    """The Target of ``model`` that resolves to ``where`` in ``module``, or None."""
-    for target in getattr(model, "targets", None) or ():
-        found = _resolve.resolve(module, target.paths)
-        if found is not None and _resolve.where(module, found.owner, found.path) == where:
-            return target
-    return None
-
-
-def _probe_note(candidate):
-    """What the probes said about an untargeted candidate: the kernel that fits, or why none."""
-    if candidate.kernel is not None:
-        return (
-            f"the probes say {candidate.kernel} reproduces it ({candidate.variant}): "
-            "enable(discover=True) or NPU_AUTOPATCH_DISCOVER=1 patches it"
-        )
-    refused = "; ".join(f"{kernel}: {_short(why)}" for kernel, why in candidate.refused.items())
-    return f"no kernel reproduces it ({refused})"
-
-
-def _short(text, limit=160):
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _stock_flag(subject, where, module, path, kind, records, hooks, instance=None, via="forward"):
-    code, text = _reason_for(where, module, records)
-    holds_ours = getattr(type(instance), _experts.ATTR, None) is not None
-    if code is None and holds_ours and via.startswith("experts interface"):
-        selected = via.removeprefix("experts interface ").split(" ")[0]
-        explicit_default = _experts.asked_for_stock(getattr(instance, "config", None))
-        switch = _experts.KEY if explicit_default else _experts.DEFAULT
-        text = (
-            f"its config selects {selected} (an explicit choice wins); "
-            f"model.set_experts_implementation({switch!r}) switches it to the moe kernel"
-        )
-    if code is None and text.endswith(("not one of its targets", "not in the model table")):
-        try:
-            candidate = _candidates.probe(module, _candidates.Candidate(path, kind, module.__name__))
-            text = f"{text}; {_probe_note(candidate)}"
-            why = _instance_stock(hooks.get(candidate.kernel), instance)
-            if why is not None:
-                text += f"; but {why}: that kernel would run the stock code"
-        except Exception as exc:  # a probe that raises says nothing about the model itself
-            text = f"{text}; the probe raised {type(exc).__name__}: {exc}"
-    if code in _GATED:
-        return Flag("gated", subject, f"a kernel the installed torch_npu cannot run: {text}", code.value)
-    return Flag("stock", subject, f"runs stock code: {text}", None if code is None else code.value)
-
-
-# --- the report --------------------------------------------------------------------------
-
-
-def _report_hooks():
-    """{kernel name: its Report} of every kernel that declares one (built in, or a registered model's)."""
-    return {
-        name: kernel.report for name, kernel in _candidates.kernels().items() if kernel.report is not None
-    }
-
-
-def _instance_stock(hook, instance):
-    """Why ``instance`` runs the stock code though its class runs the kernel of ``hook``, or None."""
-    if hook is None or hook.instance_stock is None or instance is None:
-        return None
-    return hook.instance_stock(instance)
-
-
 def report(model) -> CoverageReport:
     """What ``model`` (a live ``torch.nn.Module``) runs: ours, stock or foreign, per class and
     rotary function, and the flags (see this module's docstring)."""
     records = _control.status()
-    ours = _Ours()
-    hooks = _report_hooks()
+    ours = Ours()
+    hooks = report_hooks()
     groups: dict[type, list[tuple[str, object]]] = {}
     for name, instance in model.named_modules(remove_duplicate=True):
         groups.setdefault(type(instance), []).append((name or "<root>", instance))
     modules, flags, modeling, own = [], [], {}, {}
+    claimed = set()  # the classes whose instances a kernel's install reaches (Report.origin)
     for cls, instances in groups.items():
-        entry, entry_flags = _entry(cls, instances, ours, hooks)
+        entry, entry_flags, reached = module_entry(cls, instances, ours, hooks)
         modules.append(entry)
         flags += entry_flags
+        if reached:
+            claimed.add(cls)
         home = sys.modules.get(cls.__module__)
         if home is None:
             continue
@@ -474,15 +240,15 @@ def report(model) -> CoverageReport:
     for (cls, instances), entry in zip(groups.items(), modules, strict=True):
         if entry.kind is None or entry.origin == OURS:
             continue
-        if entry.kind == "moe" and _holds_experts(instances[0][1]):
-            continue  # 5.x: the block routes, its fused experts module (reported itself) computes
+        if delegates(hooks, entry.kind, instances[0][1]):
+            continue  # 5.x's MoE block routes, its fused experts module (reported itself) computes
         path = f"{cls.__qualname__}.forward"
         if entry.origin == STOCK and cls.__module__ in modeling:
             if entry.runs.get(STOCK):  # captured ones are flagged apart
                 where = f"{cls.__module__}:{path}"
                 module = modeling[cls.__module__]
                 flags.append(
-                    _stock_flag(
+                    stock_flag(
                         cls.__qualname__,
                         where,
                         module,
@@ -491,10 +257,9 @@ def report(model) -> CoverageReport:
                         records,
                         hooks,
                         instances[0][1],
-                        entry.via,
                     )
                 )
-        elif entry.runs.get(entry.origin) and not entry.via.startswith("experts interface"):
+        elif entry.runs.get(entry.origin) and cls not in claimed:
             unpatched.append((cls.__qualname__, cls.__module__, path, cls.forward, entry.kind))
     functions = []
     for module_name, module in {**modeling, **own}.items():
@@ -504,15 +269,15 @@ def report(model) -> CoverageReport:
             kind = _candidates.kind_of(name, obj, vars(module))  # rope, the chunked gated delta rule
             if kind is None:
                 continue
-            origin, defined_by, kernel = _origin(obj, ours)
+            origin, defined_by, kernel = origin_of(obj, ours)
             where = f"{module_name}:{name}"
             functions.append(FunctionEntry(where, origin, defined_by, kernel))
             if origin == STOCK and module_name in modeling:
-                flags.append(_stock_flag(where, where, module, name, kind, records, hooks))
+                flags.append(stock_flag(where, where, module, name, kind, records, hooks))
             elif origin != OURS:
                 unpatched.append((where, module_name, name, obj, kind))
-    flags += _unpatched_flags(unpatched, modeling, records)
-    flags += _kernel_flags(groups, modules, hooks)
+    flags += unpatched_flags(unpatched, modeling, records)
+    flags += kernel_flags(groups, modules, hooks)
     config = getattr(model, "config", None)
     sections = {
         kernel: Section(hook.columns, list(hook.rows(groups, records)))
@@ -529,121 +294,3 @@ def report(model) -> CoverageReport:
         sections,
         {where: c for rec in relevant.values() for where, c in rec.calls.items()},
     )
-
-
-def _kernel_flags(groups, modules, hooks):
-    """The flags the kernels raise about the instances of the classes running them (``Report.flags``:
-    the loss kernel says whose code computes the loss), each flag of the kernel's name."""
-    flags = []
-    for (cls, instances), entry in zip(groups.items(), modules, strict=True):
-        hook = hooks.get(entry.kernel)
-        if hook is None or hook.flags is None:
-            continue
-        for name, instance in instances:
-            subject = f"{cls.__qualname__} ({name})"
-            messages = hook.flags(instance, lambda code: _defined_by(_function(code)))
-            flags += [Flag(entry.kernel, subject, message) for message in messages]
-    return flags
-
-
-def _unpatched_flags(unpatched, modeling, records):
-    """Flags for code of any origin that a kernel reproduces (the probes say so) and that no kernel of
-    ours runs: another library's code in transformers' place, or the user's own classes and functions."""
-    reproduced = []
-    for subject, module_name, path, code, kind in unpatched:
-        try:
-            candidate = _candidates.probe_code(code, _candidates.Candidate(path, kind, module_name))
-        except Exception:  # code the probes cannot even read is not a kernel's target
-            continue
-        if candidate.kernel is not None:
-            reproduced.append((subject, candidate))
-    by_module = {}  # the user's module -> its reproduced targets: one register() call each
-    for _subject, candidate in reproduced:
-        if candidate.defined_in not in modeling:
-            by_module.setdefault(candidate.defined_in, []).append(candidate)
-    flags = []
-    for subject, candidate in reproduced:
-        found = f"the probes say {candidate.kernel} reproduces it ({candidate.variant})"
-        home = candidate.defined_in
-        if home in modeling:  # transformers' class or function, holding another library's code
-            code, text = _reason_for(f"{home}:{candidate.path}", modeling[home], records)
-            if code is None:
-                text += "; enable(discover=True, force=True) patches it"
-            flags.append(Flag("unpatched", subject, f"{found}: {text}", None if code is None else code.value))
-        else:
-            call = _register_call(home, by_module[home])
-            flags.append(Flag("unpatched", subject, f"{found}, but nothing patches it: {call}"))
-    return flags
-
-
-def _register_call(module_name, candidates):
-    """The register() call that patches ``candidates`` of the user's module ``module_name``."""
-    model_type = module_name.rpartition(".")[2].strip("_").lower() or "my_model"
-    targets = ", ".join(f"npu_autopatch.Target({c.kernel!r}, {c.path!r})" for c in candidates)
-    return f"npu_autopatch.register({model_type!r}, module={module_name!r}, targets=[{targets}])"
-
-
-def _holds_experts(instance):
-    """Whether an MoE-looking module contains another MoE-looking module (5.x: block -> experts)."""
-    return any(
-        _candidates.kind_of(type(sub).__name__, type(sub)) == "moe"
-        for name, sub in instance.named_modules()
-        if name
-    )
-
-
-def _entry(cls, instances, ours, hooks):
-    """The ModuleEntry of one class and the flags of its captured instances."""
-    kind = _candidates.kind_of(cls.__name__, cls, vars(sys.modules.get(cls.__module__, sys)))
-    forward = cls.forward
-    is_experts = _experts.interface_of(forward) is not None
-    if not is_experts:
-        origin, via, defined_by, kernel = _class_origin(cls, ours)
-    runs = collections.Counter()
-    captured: dict[tuple[str, str, str], list[str]] = {}
-    fallback: dict[str, list[str]] = {}  # why -> instances the kernel leaves to the stock code (Report)
-    for name, instance in instances:
-        if is_experts:
-            origin, via, defined_by, kernel = _experts_origin(instance, forward, ours)
-        runs_origin = origin
-        why = _instance_stock(hooks.get(kernel), instance) if origin == OURS else None
-        if why is not None:
-            runs_origin = STOCK
-            fallback.setdefault(why, []).append(name)
-        inner = _captured(instance)
-        if inner is not None:
-            inner_origin, inner_module, _kernel = _origin(inner, ours)
-            runs_origin = inner_origin
-            differs = inner_origin != origin or inner_origin == FOREIGN  # not e.g. an older build of ours
-            if differs and _function(inner) is not _function(forward) and not is_experts:
-                if inner_origin == STOCK and origin == OURS:
-                    kind_of = "captured-before-patching"
-                elif inner_origin == OURS:
-                    kind_of = "captured-while-patched"
-                else:
-                    kind_of = "instance-forward"
-                captured.setdefault((kind_of, _hooker(instance), inner_module), []).append(name)
-        runs[runs_origin] += 1
-    flags = []
-    for (kind_of, hooker, inner_module), names in captured.items():
-        message = {
-            "captured-before-patching": (
-                f"instance forward captured before patching ({hooker}): runs stock, not our "
-                f"{kernel or 'kernel'}; class-level patching never reaches it"
-            ),
-            "captured-while-patched": (
-                f"instance forward captured while patched ({hooker}): still runs our kernel "
-                + ("after disable()" if origin == STOCK else f"instead of the class's {defined_by}")
-            ),
-            "instance-forward": (
-                f"instance forward set {hooker} runs code from {inner_module}, not the class's ({defined_by})"
-            ),
-        }[kind_of]
-        flags.append(Flag(kind_of, cls.__qualname__, f"{len(names)} instance(s): {message}", None, names))
-    for why, names in fallback.items():
-        message = f"{len(names)} instance(s) run stock code: {why}"
-        flags.append(Flag("stock", cls.__qualname__, message, None, names))
-    entry = ModuleEntry(
-        cls.__qualname__, cls.__module__, len(instances), origin, via, defined_by, kind, kernel, dict(runs)
-    )
-    return entry, flags

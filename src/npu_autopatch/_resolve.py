@@ -67,7 +67,7 @@ def claims(model, module):
         return True
     for target in model.targets:
         found = resolve(module, target.paths)
-        if found is None or not _defined_in(module, found[1], found[3]):
+        if found is None or not _defined_in(module, found.owner, found.current):
             return False
     return True
 

@@ -39,11 +39,11 @@ class _State:
         "discovered",
         "discovery_hooked",
         "enabled",
-        "explicit_experts",
         "family_watcher",
         "generation",
         "held",
         "hooked",
+        "kernel_notes",
         "listing",
         "lock",
         "models",
@@ -65,9 +65,10 @@ class _State:
         self.enabled = False
         self.config = None  # the Config of the current enable()
         self.generation = 0  # bumped by enable()/disable(): a plan made under an older one is dropped
-        # The model registry: the built-in table, then entry-point plugins and register().
-        # models.MODELS is this very dict, so that code reading the table sees registrations.
-        self.models = MODELS
+        # The model registry, what every reader of the models known now reads: the built-in table
+        # (models.MODELS, read-only), then entry-point plugins and register() (through _control and
+        # _plugins only).
+        self.models = dict(MODELS)
         self.plugins_discovered = False
         # Hooks (_hooks): the stdlib watcher, whether the wrapt hooks are armed (or why not),
         # the modules with a hook of ours in wrapt's table, the get_class_in_module we wrapped.
@@ -98,10 +99,14 @@ class _State:
         # target path -> _types.Calls of the replacement installed there: how its calls ran. Kept
         # after disable() (status() of a reverted model still shows them), new with each enable().
         self.calls = {}
-        self.explicit_experts = {}  # model type -> experts implementations users asked for (5.x)
-        # id(config) -> config whose "grouped_mm" is transformers' default, and of the models
-        # explicitly given "grouped_mm", in this process (_experts): weakly held, so that nothing
-        # is written into the config itself.
+        # model type -> {kernel name: what that installed kernel adds to the model's notes in
+        # status(), read with str() when asked}: a kernel keeps there what its note says (the moe
+        # kernel: the experts implementations users chose since, which run instead of it). New with
+        # each enable().
+        self.kernel_notes = {}
+        # The moe kernel's install (kernels/moe/_experts_registry.py): id(config) -> config whose
+        # "grouped_mm" is transformers' default, and of the models explicitly given "grouped_mm",
+        # in this process: weakly held, so that nothing is written into the config itself.
         self.default_experts = weakref.WeakValueDictionary()
         self.stock_experts = weakref.WeakValueDictionary()
         self.deferred = {}  # thread ident -> [depth, actions to run once it lets go] while it holds the lock

@@ -131,15 +131,44 @@ class Report:
     kernel: per attention class, the implementation its config picks and what computes it), from
     ``{class: [(module name, instance)]}`` of the model and status(); each row an object whose
     attributes are the columns, the first naming the class; ``columns``: the other columns' titles.
+
+    For a kernel whose ``install`` does more than swap an attribute, the report cannot read the
+    class alone (the moe kernel on transformers 5.x: the config of each instance picks the experts
+    implementation in transformers' registry):
+
+    ``origin(instance, origin_of, defined_by)``: ``(origin, via, defined_by, kernel)`` of an instance
+    this kernel's install reaches, else None (the report reads its class): ``origin`` is "ours",
+    "stock" or "foreign", ``via`` how the code is reached, ``defined_by`` the module defining that
+    code, ``kernel`` ours or None. ``origin_of(code)`` is the report's ``(origin, defined_by,
+    kernel)`` of a piece of code.
+    ``stock_reason(instance)``: why an instance of a class this kernel is installed on runs other
+    code, when status() has no reason (an explicit choice in its config, and how to switch back),
+    else None.
+    ``delegates(instance, kind_of)``: whether an instance that looks like this kernel's target
+    leaves the computation to a module inside it (a 5.x MoE block routes, its experts module
+    computes and is reported itself): it is then never flagged. ``kind_of(module)`` is the kind of
+    ``Pattern`` a module looks like, or None.
     """
 
-    __slots__ = ("columns", "flags", "instance_stock", "rows")
+    __slots__ = ("columns", "delegates", "flags", "instance_stock", "origin", "rows", "stock_reason")
 
-    def __init__(self, instance_stock=None, flags=None, rows=None, columns=()):
+    def __init__(
+        self,
+        instance_stock=None,
+        flags=None,
+        rows=None,
+        columns=(),
+        origin=None,
+        stock_reason=None,
+        delegates=None,
+    ):
         self.instance_stock = instance_stock
         self.flags = flags
         self.rows = rows
         self.columns = tuple(columns)
+        self.origin = origin
+        self.stock_reason = stock_reason
+        self.delegates = delegates
 
 
 class Kernel:
@@ -176,11 +205,30 @@ class Kernel:
 
     ``reference``: {op name: CPU function} for the kernel's ops that ``kernels/_reference`` (the
     reference math of the built-in kernels' ops) has not: the probes build candidates on these.
+
+    ``install(target, build, slot)``, when given, puts the replacement in place when that is more
+    than swapping the target's attribute (the moe kernel on transformers 5.x, whose experts
+    transformers dispatches through its experts registry: kernels/moe/_experts_registry.py).
+    ``target`` is the located target: its ``model_type``, ``module``, ``path`` in the module,
+    ``owner``, ``attr``, what it holds now (``current``), whether the owner defines it itself
+    (``had_own``), the code the chosen variant reproduces (``stock``) and how status() names it
+    (``where``).
+    ``build(stock)`` builds the chosen variant's replacement, running ``stock`` for a call it does
+    not take. ``slot(owner, attr, original, replacement, had_own, where, path=None, plumbing=False,
+    seen=<original>)`` is one ledger entry: ``owner.attr`` (``owner`` a class, a module or a dict)
+    holds ``replacement`` until the last model holding it lets go, then ``original`` again (or
+    nothing, ``had_own=False``); ``where`` names it in status(); ``path``, its path in the module
+    when it has one (checked by status() as the target's is); ``plumbing``, what the replacement
+    needs around it, not a target status() lists; ``seen``, what the plan found there when that is
+    not ``original``. It returns None, before calling ``build``, for a target it leaves to the
+    attribute swap, else the list of entries, the replacement's own first: the patcher commits them
+    all or none, and a fused op's failure puts the first one back.
     """
 
     __slots__ = (
         "candidates",
         "fallback",
+        "install",
         "name",
         "ops",
         "reference",
@@ -205,8 +253,10 @@ class Kernel:
         candidates=(),
         report=None,
         reference=None,
+        install=None,
     ):
         self.name = name
+        self.install = install
         self.reference = dict(reference or {})
         self.candidates = tuple(candidates)
         self.report = report

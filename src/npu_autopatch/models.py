@@ -12,6 +12,9 @@ the name: the patcher probes every target against the kernel before swapping.
 from ._types import Model, Target
 from .integrations.verl import STEP_ASIDE
 
+# types.MappingProxyType without importing types at interpreter start: the table is data, read-only.
+_READ_ONLY = type(type.__dict__)
+
 
 def _dense(model_type, prefix, rope=("apply_rotary_pos_emb",), since="4.57"):
     """The llama family: a llama-style RMSNorm, a gated SiLU MLP, the named rotary functions and
@@ -43,7 +46,7 @@ def _moe(model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="
 # In 4.x a sparse block's experts are a ModuleList and the whole block forward (or the
 # ``moe`` method of DeepSeek-V3/GLM-4-MoE) is replaced; 5.x fused the experts into one
 # ``*Experts`` module. The shared experts are ordinary ``*MLP`` modules (swiglu).
-MODELS = {
+_TABLE = {
     m.model_type: m
     for m in (
         # loss: every causal LM's forward (a VLM's: its text head), the opt-in chunked loss
@@ -318,8 +321,9 @@ MODELS = {
     )
 }
 
-# The models this package ships. MODELS itself is the live registry (``_state.STATE.models``):
-# entry-point plugins and register() add to it, through _control and _plugins only.
+# The models this package ships, read-only. The live registry, this table with the entry-point
+# plugins and register()'s models, is ``_state.STATE.models``.
+MODELS = _READ_ONLY(_TABLE)
 BUILTIN = tuple(MODELS)
 # The entries that are no model type: a module every model calls (no tiny model, no modeling module).
 INTEGRATIONS = frozenset(

@@ -4,10 +4,10 @@
 and its copies) through one op, ``npu_acme_cos_sin`` (a new op: the test puts it on the stand-in).
 It declares all of itself in ``ROTARY_TABLE``: its op and that op's CPU reference (for the probe), a
 variant and its probe, its candidate pattern for discovery, what report(model) shows of it (a table
-of its own and a flag), and an opt-in switch (``enable(rotary_table=True)``,
-``NPU_AUTOPATCH_ROTARY_TABLE=1``).
+of its own and a flag), an opt-in switch (``enable(rotary_table=True)``,
+``NPU_AUTOPATCH_ROTARY_TABLE=1``) and an install of its own (the swap, and an entry in ``TABLES``).
 """
 
-from .kernel import OP, ROTARY_TABLE
+from .kernel import OP, ROTARY_TABLE, TABLES
 
-__all__ = ["OP", "ROTARY_TABLE"]
+__all__ = ["OP", "ROTARY_TABLE", "TABLES"]

@@ -7,6 +7,9 @@ import torch
 from npu_autopatch import Calls, Kernel, Pattern, Report, Variant
 
 OP = "npu_acme_cos_sin"
+# {rotary class: the replacement serving it}, while patched: the entry the kernel's own install adds
+# beside the swap (as a library keeps a table of what serves which class), taken out with it.
+TABLES = {}
 
 
 def reference_cos_sin(emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +56,24 @@ def _probe(stock, candidate):
     return None if same else "the table differs from stock"
 
 
+def _install(target, build, slot):
+    """The class's forward swapped, as the patcher would, and the class in TABLES while it holds it."""
+    replacement = build(target.stock)
+    name = target.owner.__qualname__
+    return [
+        slot(
+            target.owner,
+            target.attr,
+            target.current,
+            replacement,
+            target.had_own,
+            target.where,
+            path=target.path,
+        ),
+        slot(TABLES, name, None, replacement, False, f"TABLES[{name!r}]", plumbing=True),
+    ]
+
+
 @dataclass
 class TableRow:
     """One rotary embedding class of a model, for report(): its instances and their scaling."""
@@ -83,4 +104,5 @@ ROTARY_TABLE = Kernel(
     candidates=(Pattern("rotary_table", classes=r"RotaryEmbedding$"),),
     report=Report(flags=_flags, rows=_rows, columns=("n", "scaling")),
     reference={OP: reference_cos_sin},
+    install=_install,
 )

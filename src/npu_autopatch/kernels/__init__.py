@@ -1,9 +1,10 @@
 """The NPU kernels, each written once and named; the model table says where they go.
 
-Each kernel is one unit, in its own module (norm, mlp, rope, moe, attention, linear_attention,
-loss): a ``Kernel`` declaring its ops, requirements, variants, candidate patterns and, where it
-has them, its install, report and opt-in switch (see ``_types.Kernel``). ``_catalog`` names the
-built-in ones without importing them. The patcher uses the first variant whose probe agrees with
+Each kernel is one unit, in its own module (norm, mlp, rope, attention, linear_attention, loss) or
+package when it grows (moe, with its install through transformers 5.x's experts registry): a
+``Kernel`` declaring its ops, requirements, variants, candidate patterns and, where it has them,
+its install, report and opt-in switch (see ``_types.Kernel``). ``_catalog`` names the built-in ones
+without importing them. The patcher uses the first variant whose probe agrees with
 the stock code, so a target is only ever replaced by code that reproduces its math, whatever the
 class is called.
 

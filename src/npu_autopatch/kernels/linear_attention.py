@@ -176,19 +176,21 @@ def _build_fla(stock, npu, on_error):
         use_qk_l2norm_in_kernel=False,
         **kwargs,
     ):
+        # What stock and the chunk scan are called with, in their order (fla's call takes its own).
+        args = (
+            query,
+            key,
+            value,
+            g,
+            beta,
+            chunk_size,
+            initial_state,
+            output_final_state,
+            use_qk_l2norm_in_kernel,
+        )
         if _retired(torch_chunk_gated_delta_rule, home):
             count_stock(_RETIRED, query)
-            return stock(
-                query,
-                key,
-                value,
-                g,
-                beta,
-                chunk_size,
-                initial_state,
-                output_final_state,
-                use_qk_l2norm_in_kernel,
-            )
+            return stock(*args)
         try:
             out = rule(
                 query,
@@ -203,17 +205,7 @@ def _build_fla(stock, npu, on_error):
             )
         except Exception as exc:
             on_error(exc, query, key, value)
-            return scan(
-                query,
-                key,
-                value,
-                g,
-                beta,
-                chunk_size,
-                initial_state,
-                output_final_state,
-                use_qk_l2norm_in_kernel,
-            )
+            return scan(*args)
         count_fused()
         return out
 

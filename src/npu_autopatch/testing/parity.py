@@ -22,7 +22,7 @@ import torch
 
 import npu_autopatch
 
-from ..models import MODELS
+from .._state import STATE
 from . import tiny
 
 # The tiny models are testing.tiny's: any model type, from its own config class, with a vision
@@ -275,7 +275,7 @@ def check_parity(
         npu_autopatch.disable()
     calls = getattr(npu, "calls", None)
     if lazy:
-        module = MODELS[model_type].module
+        module = STATE.models[model_type].module  # the registry: a registered model too
         if module in sys.modules:
             raise RuntimeError(f"lazy parity needs a process that has not imported {module}")
         npu_autopatch.enable(models=[model_type], kernels=kernels)  # the hook patches the module on import

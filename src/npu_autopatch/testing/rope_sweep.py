@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._state import STATE
 from ..kernels import KERNELS, choose_variant
-from ..models import MODELS
 
 # (name, B, S, N, Nk, D, rotary dim, cos batch (1 or "B"), unsqueeze_dim, fused expected). The rotary dim
 # None is the variant's: D for the full forms, 16 (or D/2 below 32) for the partial ones.
@@ -69,7 +69,7 @@ def _rotary_functions(models=None) -> Iterator[tuple[str, tuple[str, ...], Calla
     """(module:path, model types, stock function) of every rotary target in the installed transformers
     (of ``models`` only, if given), one per distinct code."""
     seen: dict[tuple, list] = {}
-    for model_type, model in MODELS.items():
+    for model_type, model in list(STATE.models.items()):  # the registry: registered models too
         if models is not None and model_type not in models:
             continue
         try:

@@ -29,8 +29,9 @@ from collections import Counter
 
 from .. import _control, _device
 from .._records import PatchError
+from .._state import STATE
 from .._table import columns
-from ..models import INTEGRATIONS, MODELS
+from ..models import INTEGRATIONS
 
 DTYPES = ("float32", "bfloat16")
 
@@ -60,7 +61,7 @@ def counting_ops(npu):
 def present(model_type: str) -> bool:
     """Whether the installed transformers has this model's modeling module."""
     try:
-        importlib.import_module(MODELS[model_type].module)
+        importlib.import_module(STATE.models[model_type].module)
     except ModuleNotFoundError:
         return False
     return True
@@ -404,14 +405,13 @@ def _failed(cases: list[dict]) -> list[dict]:
 def main(args) -> int:
     """The ``verify`` subcommand (arguments parsed in __main__)."""
     _control.discover_plugins()  # installed plugins are verified too
-    models = args.models.split(",") if args.models else [m for m in MODELS if m not in INTEGRATIONS]
-    unknown = [m for m in models if m not in MODELS]
+    known = list(STATE.models)  # the registry: the table and the plugins just discovered
+    models = args.models.split(",") if args.models else [m for m in known if m not in INTEGRATIONS]
+    unknown = [m for m in models if m not in known]
     dtypes = args.dtype.split(",")
     bad_dtypes = [d for d in dtypes if d not in DTYPES]
     if unknown or bad_dtypes:
-        print(
-            f"unknown models {unknown} or dtypes {bad_dtypes}; models: {', '.join(MODELS)}", file=sys.stderr
-        )
+        print(f"unknown models {unknown} or dtypes {bad_dtypes}; models: {', '.join(known)}", file=sys.stderr)
         return 2
     if args.simulate:
         from ..testing import PROFILES, stand_in

@@ -1,9 +1,10 @@
-"""The MoE kernel as a transformers 5.x experts implementation, not a replaced ``forward``.
+"""How the MoE kernel installs on transformers 5.x: as an experts implementation, not a replaced ``forward``.
 
 transformers 5.x decorates each fused ``*Experts`` class with ``use_experts_implementation``:
 its ``forward`` looks up ``config._experts_implementation`` in ``ALL_EXPERTS_FUNCTIONS`` at
 every call, and ``model.set_experts_implementation(...)`` switches it. Replacing that
-``forward`` would switch the switch off. So we plug into the dispatch instead (ledger slots):
+``forward`` would switch the switch off. So the kernel's ``install`` (``Kernel.install``) plugs
+into the dispatch instead, with ledger entries the patcher commits all or nothing:
 
 1. the experts class gets our built function as a class attribute (``ATTR``), per class;
 2. ``ALL_EXPERTS_FUNCTIONS[DEFAULT]`` (transformers' "grouped_mm", what a model runs when
@@ -25,14 +26,22 @@ transformers' "grouped_mm", so a model given it keeps running (stock).
 
 The built function's per-instance fallback (contract C4) is what "grouped_mm" ran before us,
 never the dispatcher, so it cannot recurse into us.
+
+What report(model) needs of this dispatch lives here too (the kernel's ``Report`` hooks): which
+implementation an experts instance runs, why one of a patched class runs another, and that a 5.x
+MoE block leaves the computation to the experts module inside it.
+
+The state this keeps across calls is the package's (``_state.STATE``, its one owner): the configs
+given the default or an explicit "grouped_mm", the ledger's slots (what "grouped_mm" held before
+us), and the note status() adds for a model whose users chose another implementation.
 """
 
 import sys
 import types
 
-from . import _ledger
-from ._state import STATE
+from ..._state import STATE
 
+KERNEL = "moe"  # the kernel this installs (kernels/moe: MOE)
 KEY = "npu_grouped_mm"
 ATTR = "_npu_autopatch_experts"
 DEFAULT = "grouped_mm"  # what transformers runs when nothing is requested
@@ -106,6 +115,15 @@ def _root_model_classes(module):
     return [c for c in mine if not any(o is not c and issubclass(c, o) for o in mine)]
 
 
+class _AskedFor(set):
+    """The experts implementations users asked for a model's experts: the kernel's note in status()
+    (``STATE.kernel_notes``, read with ``str()``)."""
+
+    def __str__(self):
+        names = ", ".join(f"experts_implementation={name!r}" for name in sorted(self))
+        return f"models given {names} run that, not the moe kernel (an explicit choice wins)"
+
+
 def _get_correct(model_type, stock):
     def get_correct_experts_implementation(self, requested_experts):
         configs = _configs(self.config)
@@ -114,7 +132,8 @@ def _get_correct(model_type, stock):
         defaulted = STATE.default_experts.get(id(configs[0])) is configs[0]
         explicit = requested_experts is not None and not (requested_experts == DEFAULT and defaulted)
         if explicit and requested_experts != KEY:  # an explicit choice wins; status() lists it
-            STATE.explicit_experts.setdefault(model_type, set()).add(requested_experts)
+            notes = STATE.kernel_notes.setdefault(model_type, {})
+            notes.setdefault(KERNEL, _AskedFor()).add(requested_experts)
         for config in configs:
             STATE.default_experts.pop(id(config), None)
             STATE.stock_experts.pop(id(config), None)
@@ -139,17 +158,18 @@ def _configs(config):
     return found
 
 
-def slots(model_type, module, owner, path, wrapper, interface, kernel_name, variant_name, replacement):
-    """The ledger steps (key, slot) and placed paths that install ``replacement`` for one experts class."""
-    class_path = path.rsplit(".", 1)[0]
-    where = f"{owner.__module__}:{owner.__qualname__}.forward"
-    steps = [
-        (
-            (id(owner), ATTR),
-            _ledger.Slot(owner, ATTR, None, replacement, False, where, kernel_name, variant_name),
-        )
-    ]
-    placed = [(f"{class_path}.{ATTR}", (id(owner), ATTR))]
+# --- the kernel's install (Kernel.install) -----------------------------------------------
+
+
+def install(target, build, slot):
+    """The ledger entries that install the kernel for a 5.x experts class, through transformers'
+    experts registry; None for any other target (4.x's sparse blocks: their attribute is swapped)."""
+    interface = interface_of(target.current)
+    if interface is None:
+        return None
+    replacement = build(fallback(target.current))
+    class_path = target.path.rsplit(".", 1)[0]
+    entries = [slot(target.owner, ATTR, None, replacement, False, target.where, path=f"{class_path}.{ATTR}")]
     # Two registry entries for every patched model (joined if already in the ledger): transformers'
     # default name, and ours. What KEY held before (nothing, or the alias an earlier disable()
     # left) comes back as transformers' "grouped_mm", so a model given KEY keeps running.
@@ -157,30 +177,72 @@ def slots(model_type, module, owner, path, wrapper, interface, kernel_name, vari
     for name in (DEFAULT, KEY):
         current = registry.get(name)
         original = transformers_default() if current in (None, npu_grouped_mm) else current
-        where_key = f"ALL_EXPERTS_FUNCTIONS[{name!r}]"
-        slot = _ledger.Slot(registry, name, original, npu_grouped_mm, True, where_key, seen=current)
-        steps.append(((id(registry), name), slot))
-    for cls in _root_model_classes(module):
+        where = f"ALL_EXPERTS_FUNCTIONS[{name!r}]"
+        entries.append(
+            slot(registry, name, original, npu_grouped_mm, True, where, plumbing=True, seen=current)
+        )
+    for cls in _root_model_classes(target.module):
         had_own = _GET_CORRECT in cls.__dict__
         stock = cls.__dict__[_GET_CORRECT] if had_own else getattr(cls, _GET_CORRECT)
-        key = (id(cls), _GET_CORRECT)
-        slot = _ledger.Slot(
-            cls,
-            _GET_CORRECT,
-            stock,
-            _get_correct(model_type, stock),
-            had_own,
-            f"{cls.__module__}:{cls.__qualname__}.{_GET_CORRECT}",
+        entries.append(
+            slot(
+                cls,
+                _GET_CORRECT,
+                stock,
+                _get_correct(target.model_type, stock),
+                had_own,
+                f"{cls.__module__}:{cls.__qualname__}.{_GET_CORRECT}",
+                path=f"{cls.__name__}.{_GET_CORRECT}",
+                plumbing=True,
+            )
         )
-        steps.append((key, slot))
-        placed.append((f"{cls.__name__}.{_GET_CORRECT}", key))
-    return steps, placed
+    return entries
 
 
-def explicit_note(model_type):
-    """The note status() adds when users asked for another implementation, else None."""
-    asked = sorted(STATE.explicit_experts.get(model_type, ()))
-    if not asked:
+# --- what report(model) shows of it (Report hooks) ----------------------------------------
+
+
+def origin(instance, origin_of, defined_by):
+    """(origin, via, defined_by, kernel) of a 5.x experts instance, by the implementation its config
+    selects; None for any other module (the report reads its class)."""
+    forward = type(instance).forward
+    interface = interface_of(forward)
+    if interface is None:
         return None
-    names = ", ".join(f"experts_implementation={name!r}" for name in asked)
-    return f"models given {names} run that, not the moe kernel (an explicit choice wins)"
+    selected = getattr(getattr(instance, "config", None), "_experts_implementation", None)
+    via = f"experts interface {selected!r}"
+    try:
+        function = interface.get_interface(selected, forward.__wrapped__) if selected != "eager" else None
+    except Exception:  # an implementation nobody registered: the model's forward raises
+        return "foreign", via, "unregistered", None
+    if function is None:
+        return "stock", via, defined_by(forward.__wrapped__), None
+    if function is npu_grouped_mm:
+        chosen = implementation(instance)
+        if chosen is getattr(type(instance), ATTR, None):
+            code_origin, code_from, kernel = origin_of(chosen)
+            return code_origin, via, code_from, kernel or KERNEL
+        return "stock", via + f" (runs {DEFAULT!r} of transformers)", defined_by(chosen), None
+    code_origin, code_from, _kernel = origin_of(function)
+    return code_origin, via, code_from, None
+
+
+def stock_reason(instance):
+    """Why an experts instance of a class that holds the kernel runs another implementation: its
+    config's explicit choice, and how to switch back; None for any other module."""
+    if getattr(type(instance), ATTR, None) is None or interface_of(type(instance).forward) is None:
+        return None
+    config = getattr(instance, "config", None)
+    selected = getattr(config, "_experts_implementation", None)
+    switch = KEY if asked_for_stock(config) else DEFAULT
+    return (
+        f"its config selects {selected!r} (an explicit choice wins); "
+        f"model.set_experts_implementation({switch!r}) switches it to the moe kernel"
+    )
+
+
+def delegates(instance, kind_of):
+    """Whether an MoE-looking module contains another MoE-looking module (5.x: the block routes, its
+    fused experts module computes and is reported itself)."""
+    kind = kind_of(instance)
+    return any(kind_of(sub) == kind for name, sub in instance.named_modules() if name)

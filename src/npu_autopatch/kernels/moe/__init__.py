@@ -64,9 +64,9 @@ experts, Qwen3-Next 512), and a cached stack would go stale after an optimizer s
 
 The experts-implementation registry of 5.x: the class attribute ``forward`` of a fused
 experts class is ``use_experts_implementation``'s wrapper, which looks up
-``config._experts_implementation`` at every call. We leave it in place: the patcher
+``config._experts_implementation`` at every call. We leave it in place: the kernel's install
 serves transformers' default experts implementation ("grouped_mm" in ``ALL_EXPERTS_FUNCTIONS``,
-see _experts.py) with ``_build_experts``'s function for the patched classes, so
+see _experts_registry.py) with ``_build_experts``'s function for the patched classes, so
 ``set_experts_implementation`` keeps working, an explicit choice wins, and the config keeps
 transformers' own value. ``stock`` is then what "grouped_mm" ran before us, never the
 dispatcher (no recursion). Where this
@@ -80,9 +80,9 @@ import types
 
 import torch
 
-from .._types import Kernel, Pattern, Variant
-from ._calls import counters
-from ._probe import (
+from ..._types import Kernel, Pattern, Report, Variant
+from .._calls import counters
+from .._probe import (
     agree_strict,
     first_disagreement,
     generator,
@@ -91,8 +91,9 @@ from ._probe import (
     randn,
     signature_reason,
 )
-from ._requirements import moe_requirement
-from .mlp import _silu_types
+from .._requirements import moe_requirement
+from ..mlp import _silu_types
+from . import _experts_registry
 
 
 def _grouped_matmul(npu):
@@ -488,7 +489,7 @@ def _probe_moe_method(stock, candidate):
 
 
 MOE = Kernel(
-    "moe",
+    _experts_registry.KERNEL,
     ("npu_grouped_matmul", "npu_swiglu", "npu_moe_token_permute", "npu_moe_token_unpermute"),
     (
         Variant("experts", _build_experts, _probe_experts),
@@ -498,6 +499,13 @@ MOE = Kernel(
         Variant("moe-method", _build_moe_method, _probe_moe_method),
     ),
     requires=moe_requirement,
+    # 5.x's fused experts: an experts implementation in transformers' registry, not a replaced forward
+    install=_experts_registry.install,
+    report=Report(
+        origin=_experts_registry.origin,
+        stock_reason=_experts_registry.stock_reason,
+        delegates=_experts_registry.delegates,
+    ),
     # An MoE block's forward, and 4.x DeepSeek-V3's ``moe`` method where it has one.
     candidates=(
         Pattern(

@@ -52,6 +52,16 @@ def patching_off():
     npu_autopatch.disable()
 
 
+# The fused attention ops torch_npu's own sdpa runs on the device for a model on its default attention
+# (the stand-in models it: testing/device/sdpa.py), in stock and patched runs alike.
+SDPA_OPS = frozenset({"npu_fusion_attention", "npu_fusion_attention_grad"})
+
+
+def kernel_ops(ops):
+    """``ops`` (op name -> calls) without those of torch_npu's sdpa: what the kernels themselves ran."""
+    return {op: n for op, n in ops.items() if op not in SDPA_OPS}
+
+
 # The full matrix only (CI: ``pytest -m ""``): what the default selection covers another way (a second
 # dtype, the per-model runs of an edge case whose code is per kernel variant, a second child process).
 FULL = pytest.mark.full

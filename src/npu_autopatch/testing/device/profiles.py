@@ -219,9 +219,6 @@ class SdpaRules:
     # fp32 with any of q/k/v's last dims % 4 != 0 goes to math on every call (master :267-273, commit
     # 68ad4c26, 2026-08-12); on 26.1.0 only in compatible mode (:309), which the stand-in does not model.
     fp32_unaligned_to_math: bool
-    # From 26.0.0 a SoC below Ascend950 calls npu_fusion_attention_v3 (same arguments; master :311-316);
-    # the stand-in runs its npu_fusion_attention for it. Recorded for the reader.
-    fused_op_v3_below_950: bool
 
 
 # Every branch read (git diff of the file between them); the profiles below use 7.1.0, 7.2.0 and master,
@@ -229,12 +226,12 @@ class SdpaRules:
 SDPA_RULES = {
     rules.branch: rules
     for rules in (
-        SdpaRules("7.1.0", True, False, False, False, False, False),  # blob a152fc60, as 7.2.0
-        SdpaRules("7.2.0", True, False, False, False, False, False),
-        SdpaRules("7.3.0", True, True, False, False, False, False),
-        SdpaRules("26.0.0", True, True, False, False, False, True),
-        SdpaRules("26.1.0", False, True, True, True, False, True),
-        SdpaRules("master", False, True, True, True, True, True),
+        SdpaRules("7.1.0", True, False, False, False, False),  # blob a152fc60, as 7.2.0
+        SdpaRules("7.2.0", True, False, False, False, False),
+        SdpaRules("7.3.0", True, True, False, False, False),
+        SdpaRules("26.0.0", True, True, False, False, False),  # + npu_fusion_attention_v3 below Ascend950
+        SdpaRules("26.1.0", False, True, True, True, False),
+        SdpaRules("master", False, True, True, True, True),
     )
 }
 

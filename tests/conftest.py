@@ -3,6 +3,7 @@
 import functools
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -42,6 +43,21 @@ def run_python(code, timeout=180, **env):
         timeout=timeout,
         cwd=ROOT,
     )
+
+
+def child_result(code, *argv, timeout=600, pythonpath=ROOT / "src", cwd=None, **env):
+    """Run a child script (one intra-op thread, ``pythonpath`` on the path) and return the JSON it printed
+    after ``RESULT``; a failing child fails the test with its output."""
+    result = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        env=child_env(PYTHONPATH=str(pythonpath), OMP_NUM_THREADS="1", **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return json.loads(result.stdout.split("RESULT", 1)[1])
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ import transformers
 
 from npu_autopatch.testing import DEFAULT, PROFILES
 
-from .conftest import FULL, child_env, present
+from .conftest import FULL, child_env, child_result, present
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 V4 = int(transformers.__version__.split(".")[0]) < 5
@@ -186,15 +186,7 @@ def run_parity(profile, dtypes, models):
         "not_run": NOT_RUN,
         "tolerance": TOLERANCE,
     }
-    result = subprocess.run(
-        [sys.executable, "-c", PARITY, json.dumps(options)],
-        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return json.loads(result.stdout.split("RESULT", 1)[1])
+    return child_result(PARITY, json.dumps(options), timeout=1500)
 
 
 def assert_parity(found, dtypes):
@@ -341,15 +333,7 @@ def test_default_explicit_switch_disable_report_and_generate():
     exactly stock; packed documents with the cache on are kept apart (stock sdpa mixes them);
     generate() gives stock's tokens; status() counts the decisions, report() names who chose;
     disable() and the switch give stock's sdpa back."""
-    result = subprocess.run(
-        [sys.executable, "-c", BEHAVIOUR],
-        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    found = json.loads(result.stdout.split("RESULT", 1)[1])
+    found = child_result(BEHAVIOUR, timeout=600)
     assert found["implementations"] == ["flash_attention_2", "sdpa", "eager"], found
     assert found["explicit_is_stock"] == [True, True], found
     routed_by, chosen = found["chosen_by"]
@@ -429,15 +413,7 @@ def test_padded_generate_with_gqa_runs_on_the_2_7_1_line_through_the_default_pat
     """transformers 5's sdpa packs a GQA decode query into [B, Nkv, n_rep, D] with a [B, 1, 1, Skv] mask,
     which the device refuses up to op-plugin 26.0.0 (docs/device-rules.md): stock generate() with a
     padded batch fails at its first decode step on the 2.7.1 line; the default path runs it."""
-    result = subprocess.run(
-        [sys.executable, "-c", DECODE],
-        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    found = json.loads(result.stdout.split("RESULT", 1)[1])
+    found = child_result(DECODE, timeout=300)
     (stock_path, stock), (patched_path, patched) = found["stock"], found["patched"]
     assert stock_path == "sdpa" and "atten_mask" in str(stock), found
     assert patched_path == "flash_attention_2" and patched == 9, found

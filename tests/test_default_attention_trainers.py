@@ -8,14 +8,11 @@ Under gradient checkpointing the cache is off, so stock's sdpa keeps packed docu
 transformers' packed-sequence masks, densely): both are references for the packed runs.
 """
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from .conftest import FULL, ROOT, child_env
+from .conftest import FULL, ROOT, child_result
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -125,16 +122,7 @@ CHILD = textwrap.dedent(
 
 @FULL
 def test_trainers_on_the_default_attention_give_stock_losses(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        env=child_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    found = json.loads(result.stdout.split("RESULT", 1)[1])
+    found = child_result(CHILD, timeout=900, pythonpath=ROOT, cwd=tmp_path)
     assert set(found["state"].values()) == {"applied"}, found["state"]
     for name, (stock, implementation) in found["stock"].items():
         losses, routed, backward_calls = found["patched"][name]

@@ -83,6 +83,18 @@ def kernel_ops(ops):
 FULL = pytest.mark.full
 
 
+def selected_values(request, name):
+    """Every value of the list parameter ``name`` of the tests of the requesting module this session runs
+    (after ``-m`` and ``-k``), in order. A module-scoped fixture runs one child interpreter for all of
+    them, where one child per parameter would repeat its imports of torch and transformers (CI's time);
+    each test still checks its own values, one by one."""
+    values = {}
+    for item in request.session.items:
+        if item.module is request.module and hasattr(item, "callspec"):
+            values.update(dict.fromkeys(item.callspec.params.get(name, ())))
+    return list(values)
+
+
 def present(model_type):
     """Whether the running transformers has this table model (without importing its modeling module)."""
     from npu_autopatch.models import MODELS

@@ -84,8 +84,20 @@ def same_state(before, after):
     return torch.equal(before.pop("rng"), after.pop("rng")) and before == after
 
 
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads whatever the test run has (CI: OMP_NUM_THREADS=1): the probes run on one
+    and must give the user's count back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("context", list(CONTEXTS), ids=list(CONTEXTS))
-def test_every_torch_context_patches_every_target_and_leaves_the_state_alone(context, npu_stand_in):
+def test_every_torch_context_patches_every_target_and_leaves_the_state_alone(
+    context, npu_stand_in, two_threads
+):
     with CONTEXTS[context]():
         before = user_state()
         npu_autopatch.enable(models=list(CHECKED), loss=True)  # every target, the opt-in loss too

@@ -25,7 +25,7 @@ import transformers
 
 from npu_autopatch.testing.parity import TOLERANCE, relative_error
 
-from .conftest import FULL, STAND_IN_SITE, kernel_ops, present, run_python
+from .conftest import FULL, STAND_IN_SITE, kernel_ops, present, run_python, selected_values
 
 VERL = "verl==0.9.1"
 NPU_PATCH = "verl/models/transformers/npu_patch.py"
@@ -172,14 +172,17 @@ def _ours_op(ops):
 
 
 @pytest.fixture(scope="module")
-def runs(verl_site, tmp_path_factory):
-    """The scenarios on the default selection's models (qwen3), or every verl model with ``-m full``."""
+def runs(verl_site, tmp_path_factory, request):
+    """Each scenario once, in one interpreter, on every model the selected tests of this module ask for
+    (qwen3 in the default selection; with ``-m full`` every verl model): each test reads its own models."""
+    every = selected_values(request, "models")
     cache = {}
 
     def run(name, models, **env):
-        key = (name, tuple(models), tuple(sorted(env.items())))
+        assert set(models) <= set(every), (models, every)
+        key = (name, tuple(sorted(env.items())))
         if key not in cache:
-            cache[key] = scenario(name, list(models), verl_site, tmp_path_factory.mktemp(name), **env)
+            cache[key] = scenario(name, every, verl_site, tmp_path_factory.mktemp(name), **env)
         return cache[key]
 
     return run

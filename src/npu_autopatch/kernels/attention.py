@@ -582,6 +582,34 @@ class _Choices:
 CHOICES = _Choices()
 
 
+def _portable_reduce(config):
+    """How a routed config's class pickles while the route is in place (``copyreg``: pickle,
+    ``torch.save``, Ray, spawn and ``copy.deepcopy`` read it): as stock would, with stock's choice in
+    place of ours. Nothing of ours may outlive the process in the user's objects: a routed model
+    saved whole or sent to a worker must run where there is no NPU (or no npu-autopatch), and
+    ``"flash_attention_2"`` there means the flash-attn package. A deep copy in this process is not
+    routed again either (it runs stock's choice: correct, not the lean path)."""
+    reduced = list(object.__reduce_ex__(config, 2))
+    decision, state = CHOICES.of(config), reduced[2]
+    routed = decision is not None and decision[0] and isinstance(state, dict)
+    if routed and state.get("_attn_implementation_internal") == _ROUTED:
+        reduced[2] = {**state, "_attn_implementation_internal": decision[2]}
+    return tuple(reduced)
+
+
+def _portable(classes, on: bool) -> None:
+    """Register ``_portable_reduce`` for these config classes (``on``), or take ours out; a class
+    someone else registered a reducer for is left to them."""
+    import copyreg
+
+    for cls in classes:
+        held = copyreg.dispatch_table.get(cls)
+        if on and held is None:
+            copyreg.pickle(cls, _portable_reduce)
+        elif not on and held is _portable_reduce:
+            del copyreg.dispatch_table[cls]
+
+
 def _chosen(config, implementation) -> str:
     """Who chose a config's attention implementation, in words, for report()."""
     decision = CHOICES.of(config)
@@ -676,6 +704,7 @@ def _build_route(stock, npu, on_error):
             count_stock(why.split(" (", 1)[0])
             return stock_choice
         count_routed()
+        _portable((type(config),), on=True)
         return _ROUTED
 
     return get_correct_attn_implementation
@@ -700,10 +729,12 @@ def _refresh_routed():
     utils = sys.modules.get("transformers.modeling_utils")
     method = getattr(getattr(utils, "PreTrainedModel", None), "get_correct_attn_implementation", None)
     routing = getattr(method, "__module__", None) == __name__
-    for config, stock_choice in CHOICES.routed():
+    routed = CHOICES.routed()
+    for config, stock_choice in routed:
         now, then = (stock_choice, _ROUTED) if routing else (_ROUTED, stock_choice)
         if config._attn_implementation_internal == now:
             config._attn_implementation_internal = then
+    _portable({type(config) for config, _choice in routed}, on=routing)
 
 
 DEFAULT_ATTENTION = Kernel(

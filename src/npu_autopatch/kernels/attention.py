@@ -513,7 +513,7 @@ ATTENTION = Kernel(
 
 _ROUTED = "flash_attention_2"
 _GET_CORRECT = ("self", "requested_attention", "is_init_check")
-# Why a model keeps transformers' default (the reasons status() counts; the first five are the
+# Why a model keeps transformers' default (the reasons status() counts; all but the last are the
 # caller's or transformers' own and never warned about).
 CHOSEN = "an explicit choice"
 NOT_NPU = "no NPU"
@@ -551,6 +551,7 @@ class _Choices:
     def __init__(self) -> None:
         self._by_id: dict[int, tuple] = {}
         self._lock = threading.Lock()
+        self.reduced: set[type] = set()  # the config classes ``_portable`` registered a reducer for
 
     def note(self, config, routed: bool, why: str | None, stock_choice: str) -> None:
         key = id(config)
@@ -598,16 +599,19 @@ def _portable_reduce(config):
 
 
 def _portable(classes, on: bool) -> None:
-    """Register ``_portable_reduce`` for these config classes (``on``), or take ours out; a class
-    someone else registered a reducer for is left to them."""
+    """Register ``_portable_reduce`` for these config classes (``on``), or take every one of ours out;
+    a class someone else registered a reducer for is left to them."""
     import copyreg
 
-    for cls in classes:
+    for cls in classes if on else list(CHOICES.reduced):
         held = copyreg.dispatch_table.get(cls)
         if on and held is None:
             copyreg.pickle(cls, _portable_reduce)
-        elif not on and held is _portable_reduce:
-            del copyreg.dispatch_table[cls]
+            CHOICES.reduced.add(cls)
+        elif not on:
+            CHOICES.reduced.discard(cls)
+            if held is _portable_reduce:
+                del copyreg.dispatch_table[cls]
 
 
 def _chosen(config, implementation) -> str:

@@ -259,13 +259,13 @@ with stand_in():
 
 
 def test_strict_mode_turns_each_fault_into_one_clear_exception():
-    # The two integrations excluded: transformers imports their modules before the models named below.
+    # The integrations excluded: transformers imports their modules before the models named below.
     out, _stderr = run_child(
         STRICT_FAULTS,
         NPU_AUTOPATCH="1",
         NPU_AUTOPATCH_STRICT="1",
         NPU_AUTOPATCH_PROBE="always",
-        NPU_AUTOPATCH_EXCLUDE="npu_flash_attention,flash_attention_utils",
+        NPU_AUTOPATCH_EXCLUDE="npu_flash_attention,flash_attention_utils,default_attention",
     )
     expected = {
         "unavailable": "llama skipped: torch_npu imported but torch.npu.is_available() is False",

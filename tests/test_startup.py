@@ -145,6 +145,7 @@ def test_strict_env_turns_a_failure_into_an_import_error_naming_model_and_cause(
         NPU_AUTOPATCH="1",
         NPU_AUTOPATCH_STRICT="1",
         NPU_AUTOPATCH_MODELS="qwen3",
+        NPU_AUTOPATCH_DEFAULT_ATTENTION="0",  # its entry (transformers' modeling utilities) would come first
     )
     assert child.returncode == 1
     assert "npu_autopatch.PatchError" in child.stderr or "PatchError" in child.stderr

@@ -55,8 +55,10 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2}
 # cancellation. One bf16 rounding upstream (the fused SwiGLU rounds once where the eager MLP
 # rounds twice) moves them by several percent: over a few batches of the tiny models, stock
 # bf16 is up to 1.4e-1 away from stock fp32 there, and patched from stock up to 8e-2. The
-# fp32 runs hold them to TOLERANCE.
-BF16_TOLERANCE = {"linear_attn.A_log": 1e-1, "linear_attn.dt_bias": 1e-1}
+# fp32 runs hold them to TOLERANCE. LongCat-Flash's router weight likewise: its gradient sums the
+# experts' outputs with heavy cancellation, and since the stand-in's sdpa runs the fused attention (one
+# rounding where aten's sdpa rounds per op) its bf16 gradient moves by up to 1.1e-1 between two runs.
+BF16_TOLERANCE = {"linear_attn.A_log": 1e-1, "linear_attn.dt_bias": 1e-1, "router.classifier.weight": 1.5e-1}
 
 
 @dataclass

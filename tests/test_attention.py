@@ -23,7 +23,6 @@ import transformers
 
 from npu_autopatch.kernels import KERNELS, choose_variant, golden_ops
 from npu_autopatch.kernels import attention as attention_kernel
-from npu_autopatch.testing import DEFAULT, PROFILES
 
 from .conftest import FULL, child_env
 
@@ -160,21 +159,14 @@ def assert_applied(found):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fa2_on_npu_matches_eager(dtype):
-    """Windows (BSND and TND, causal), sinks with their gradient, softcap unfused; the fused op runs."""
+    """Windows (BSND and TND, causal), sinks with their gradient, softcap unfused; the fused op runs.
+
+    The older release profiles run these functions in tests/test_default_attention.py (the route calls
+    them as this explicit choice does), and gpt-oss's unfused sinks in the test below."""
     found = run(dtype=dtype)
     assert_applied(found)
     assert found.pop("variants") == ["dense", "varlen"]  # the sinks fused
     assert_matches(found, dtype, lambda model: 0 if model == "gemma2" else FUSED_PER_RUN)
-
-
-@FULL
-@pytest.mark.parametrize("profile", [name for name in PROFILES if name != DEFAULT.name])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fa2_on_npu_matches_eager_on_older_releases(profile, dtype):
-    """The same cases on the older release profiles: no ``sink`` there, so gpt-oss runs unfused (exact)."""
-    found = run(profile=profile, dtype=dtype)
-    assert_applied(found)
-    assert_matches(found, dtype, lambda model: 0 if model in ("gemma2", "gpt_oss") else FUSED_PER_RUN)
 
 
 def test_without_the_kernel_the_window_and_sinks_are_dropped():
@@ -245,7 +237,7 @@ def test_gpt_oss_fa2_refused_at_load_when_the_sinks_would_be_dropped():
 
 
 # The whole table through this path: tests/test_default_attention.py (every table model on the default
-# attention, which the default_attention kernel routes here, on every profile, fp32 and bf16).
+# attention, which the default_attention kernel routes here, fp32 and bf16; the controls on every profile).
 
 
 SYNCS = r"""

@@ -1,6 +1,10 @@
-"""Rank-0-only logging, in fresh interpreters launched as a launcher would launch ranks."""
+"""Rank-0-only logging: each launcher's rank variable read in-process, and fresh interpreters launched as a
+launcher would launch ranks."""
 
 import pytest
+
+from npu_autopatch._config import ENV_LOG_ALL_RANKS
+from npu_autopatch._log import RANK_VARIABLES, _prefix
 
 from .conftest import STAND_IN_SITE, run_python
 
@@ -15,11 +19,32 @@ def our_lines(stderr):
     return [line for line in stderr.splitlines() if "npu-autopatch" in line]
 
 
-@pytest.mark.parametrize(
-    "rank_env",
-    [{}, {"RANK": "0"}, {"SLURM_PROCID": "0"}, {"OMPI_COMM_WORLD_RANK": "0"}, {"PMI_RANK": "0"}],
-    ids=["single-process", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"],
-)
+# Each launcher's variable, read as the log line is written (in-process: the same function a child runs).
+@pytest.mark.parametrize("variable", RANK_VARIABLES)
+def test_each_launchers_rank_variable_decides_who_logs(variable, monkeypatch):
+    monkeypatch.delenv(ENV_LOG_ALL_RANKS, raising=False)
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert _prefix() == "npu-autopatch: "  # a single process
+    monkeypatch.setenv(variable, "0")
+    assert _prefix() == "npu-autopatch: "
+    monkeypatch.setenv(variable, " 3 ")
+    assert _prefix() is None
+    monkeypatch.setenv(variable, "not a rank")  # ignored: a single process
+    assert _prefix() == "npu-autopatch: "
+
+
+def test_the_first_rank_variable_set_wins(monkeypatch):
+    monkeypatch.delenv(ENV_LOG_ALL_RANKS, raising=False)
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert _prefix() is None
+
+
+# The same in fresh interpreters, as a launcher starts ranks: the failure logged at the hooked import.
+@pytest.mark.parametrize("rank_env", [{}, {"RANK": "0"}], ids=["single-process", "RANK"])
 def test_rank_zero_or_single_process_logs_a_failure_once(rank_env):
     child = run_python(
         IMPORT_QWEN3 + "\nfrom transformers.models.llama import modeling_llama", NPU_AUTOPATCH="1", **rank_env
@@ -28,18 +53,8 @@ def test_rank_zero_or_single_process_logs_a_failure_once(rank_env):
     assert our_lines(child.stderr) == [NO_NPU]
 
 
-@pytest.mark.parametrize(
-    "rank_env",
-    [
-        {"RANK": "1"},
-        {"SLURM_PROCID": "7"},
-        {"OMPI_COMM_WORLD_RANK": "3"},
-        {"PMI_RANK": "2"},
-        {"RANK": "5", "SLURM_PROCID": "0"},
-    ],
-)
-def test_other_ranks_stay_silent(rank_env):
-    child = run_python(IMPORT_QWEN3, NPU_AUTOPATCH="1", **rank_env)
+def test_other_ranks_stay_silent():
+    child = run_python(IMPORT_QWEN3, NPU_AUTOPATCH="1", SLURM_PROCID="7")
     assert child.returncode == 0, child.stderr
     assert our_lines(child.stderr) == []
 

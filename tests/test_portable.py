@@ -56,15 +56,16 @@ def main(how, folder):
     expected = {{t: run(m)[0] for t, m in models.items()}}
     npu_autopatch.enable()  # the model leaves a patched process
     got = {{}}
-    if how == "save":
+    forms = how.split("+")  # "save+pickle": both files, for one receiver
+    if "save" in forms:
         for model_type, model in models.items():
             torch.save(model, os.path.join(folder, model_type + ".pt"))
             torch.save(expected[model_type], os.path.join(folder, model_type + ".expected.pt"))
-    elif how == "pickle":
+    if "pickle" in forms:
         for model_type, model in models.items():
             with open(os.path.join(folder, model_type + ".pkl"), "wb") as f:
                 pickle.dump((model, expected[model_type]), f)
-    elif how == "spawn":
+    if how == "spawn":
         import multiprocessing
         without_stand_in()
         with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -95,17 +96,18 @@ how, folder = sys.argv[1], sys.argv[2]
 ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
 close = lambda got, expected: torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
 result = {{}}
-for model_type in {models!r}:
-    if how == "save":
-        model = torch.load(os.path.join(folder, model_type + ".pt"), weights_only=False)
-        expected = torch.load(os.path.join(folder, model_type + ".expected.pt"))
-    else:
-        with open(os.path.join(folder, model_type + ".pkl"), "rb") as f:
-            model, expected = pickle.load(f)
-    with torch.no_grad():
-        logits = model(ids).logits
-    ours = [name for name in ("torch_npu", "npu_autopatch") if name in sys.modules]
-    result[model_type] = {{"stock": close(logits, expected), "loaded": ours}}
+for form in how.split("+"):
+    for model_type in {models!r}:
+        if form == "save":
+            model = torch.load(os.path.join(folder, model_type + ".pt"), weights_only=False)
+            expected = torch.load(os.path.join(folder, model_type + ".expected.pt"))
+        else:
+            with open(os.path.join(folder, model_type + ".pkl"), "rb") as f:
+                model, expected = pickle.load(f)
+        with torch.no_grad():
+            logits = model(ids).logits
+        ours = [name for name in ("torch_npu", "npu_autopatch") if name in sys.modules]
+        result.setdefault(form, {{}})[model_type] = {{"stock": close(logits, expected), "loaded": ours}}
 print("RESULT " + json.dumps(result), flush=True)
 """
 
@@ -134,12 +136,24 @@ def _models():
     return models
 
 
-@pytest.mark.parametrize("how", ["save", "pickle"])
-def test_a_model_saved_while_patched_runs_in_a_process_without_us(how, tmp_path):
+@pytest.fixture(scope="module")
+def received(request, tmp_path_factory):
+    """{form: what the receiver found}: one builder and one receiver for every form this session runs."""
+    selected = [
+        item.callspec.params["how"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec") and "how" in item.callspec.params
+    ]
+    forms = "+".join(dict.fromkeys(selected))
     models = _models()
-    _run(BUILDER.format(models=models), how, str(tmp_path), PYTHONPATH=str(STAND_IN_SITE))
-    got = _run(RECEIVER.format(models=models), how, str(tmp_path))
-    assert got == {m: {"stock": True, "loaded": []} for m in models}
+    folder = str(tmp_path_factory.mktemp("portable"))
+    _run(BUILDER.format(models=models), forms, folder, PYTHONPATH=str(STAND_IN_SITE))
+    return _run(RECEIVER.format(models=models), forms, folder)
+
+
+@pytest.mark.parametrize("how", ["save", "pickle"])
+def test_a_model_saved_while_patched_runs_in_a_process_without_us(how, received):
+    assert received[how] == {m: {"stock": True, "loaded": []} for m in _models()}
 
 
 @pytest.mark.full  # a worker interpreter more: CI's full matrix

@@ -84,14 +84,15 @@ FULL = pytest.mark.full
 
 
 def selected_values(request, name):
-    """Every value of the list parameter ``name`` of the tests of the requesting module this session runs
-    (after ``-m`` and ``-k``), in order. A module-scoped fixture runs one child interpreter for all of
-    them, where one child per parameter would repeat its imports of torch and transformers (CI's time);
-    each test still checks its own values, one by one."""
+    """Every value of the parameter ``name`` (a list parameter: each of its items) of the tests of the
+    requesting module this session runs (after ``-m`` and ``-k``), in order. A module-scoped fixture runs
+    one child interpreter for all of them, where one child per parameter would repeat its imports of
+    torch and transformers (CI's time); each test still checks its own values, one by one."""
     values = {}
     for item in request.session.items:
-        if item.module is request.module and hasattr(item, "callspec"):
-            values.update(dict.fromkeys(item.callspec.params.get(name, ())))
+        if item.module is request.module and name in getattr(getattr(item, "callspec", None), "params", {}):
+            value = item.callspec.params[name]
+            values.update(dict.fromkeys(value if isinstance(value, list | tuple) else [value]))
     return list(values)
 
 

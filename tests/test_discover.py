@@ -14,7 +14,7 @@ import npu_autopatch
 from npu_autopatch import _config, _discover
 from npu_autopatch._state import STATE
 
-from .conftest import STAND_IN_SITE, kernel_ops, run_python
+from .conftest import STAND_IN_SITE, kernel_ops, run_python, selected_values
 
 # Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
 pytestmark = pytest.mark.full
@@ -42,25 +42,28 @@ from npu_autopatch.testing import parity, tiny
 from npu_autopatch.testing.parity import TOLERANCE, ParityReport, compare
 
 out = {{}}
-for dtype in (torch.float32, torch.bfloat16):
-    model = tiny.tiny_model({model_type!r}, dtype)
-    batch = parity.model_batch(model)
-    before = collections.Counter(torch_npu.calls)
-    patched = parity.forward_backward(model, batch[0], batch[1], **batch[2])
-    calls = dict(collections.Counter(torch_npu.calls) - before)
-    rec = npu_autopatch.status()[{model_type!r}]
-    npu_autopatch.disable()
-    before = collections.Counter(torch_npu.calls)
-    stock = parity.forward_backward(model, batch[0], batch[1], **batch[2])
-    stock_calls = dict(collections.Counter(torch_npu.calls) - before)
-    name = str(dtype).split(".")[-1]
-    report = compare(ParityReport({model_type!r}, name, rec.state, rec.reason, rec.kernels,
-                                  tolerance=TOLERANCE[dtype]), stock, patched)
-    parity.closer_to_fp32(report, model, batch, stock, patched)  # bf16: no further from fp32 than stock
-    out[name] = {{"record": rec.as_dict(), "calls": calls, "stock_calls": stock_calls,
-                 "over": list(report.over_tolerance), "missing": list(report.missing_grads),
-                 "logits_error": report.logits_error, "grad_error": report.grad_error}}
-    {reenable}
+for model_type in {model_types!r}:
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny.tiny_model(model_type, dtype)
+        batch = parity.model_batch(model)
+        before = collections.Counter(torch_npu.calls)
+        patched = parity.forward_backward(model, batch[0], batch[1], **batch[2])
+        calls = dict(collections.Counter(torch_npu.calls) - before)
+        rec = npu_autopatch.status()[model_type]
+        npu_autopatch.disable()
+        before = collections.Counter(torch_npu.calls)
+        stock = parity.forward_backward(model, batch[0], batch[1], **batch[2])
+        stock_calls = dict(collections.Counter(torch_npu.calls) - before)
+        name = str(dtype).split(".")[-1]
+        report = compare(ParityReport(model_type, name, rec.state, rec.reason, rec.kernels,
+                                      tolerance=TOLERANCE[dtype]), stock, patched)
+        parity.closer_to_fp32(report, model, batch, stock, patched)  # bf16: no further from fp32 than stock
+        out.setdefault(model_type, {{}})[name] = {{
+            "record": rec.as_dict(), "calls": calls, "stock_calls": stock_calls,
+            "over": list(report.over_tolerance), "missing": list(report.missing_grads),
+            "logits_error": report.logits_error, "grad_error": report.grad_error,
+        }}
+        {reenable}
 print(json.dumps(out))
 """
 
@@ -82,22 +85,31 @@ def _check_parity(out, model_type):
     assert out["float32"]["logits_error"] < 1e-5 and out["float32"]["grad_error"] < 1e-4
 
 
-@pytest.mark.parametrize("model_type", DISCOVERED)
-def test_the_environment_variable_discovers_a_model_at_its_import_with_parity(model_type):
+@pytest.fixture(scope="module")
+def discovered_by_the_environment(request):
+    """One child for every model type selected below: each discovered at its own modeling import."""
     code = PARITY.format(
-        enable="", model_type=model_type, reenable="npu_autopatch.enable()  # same selection as the env's"
+        enable="",
+        model_types=selected_values(request, "model_type"),
+        reenable="npu_autopatch.enable()  # same selection as the env's",
     )
-    out, _ = child_json(code, NPU_AUTOPATCH="1", NPU_AUTOPATCH_DISCOVER="1")
-    _check_parity(out, model_type)
+    return child_json(code, NPU_AUTOPATCH="1", NPU_AUTOPATCH_DISCOVER="1")[0]
+
+
+@pytest.mark.parametrize("model_type", DISCOVERED)
+def test_the_environment_variable_discovers_a_model_at_its_import_with_parity(
+    model_type, discovered_by_the_environment
+):
+    _check_parity(discovered_by_the_environment[model_type], model_type)
 
 
 def test_enable_discover_true_after_transformers_is_imported_discovers_with_parity():
     code = PARITY.format(
         enable="import transformers\nnpu_autopatch.enable(discover=True)",
-        model_type="doge",
+        model_types=["doge"],
         reenable="npu_autopatch.enable(discover=True)",
     )
-    out, _ = child_json(code)
+    out = child_json(code)[0]["doge"]
     _check_parity(out, "doge")
     # DogeCDMoE is nominated by its name only; no MoE kernel reproduces it: listed, not a target.
     rec = out["float32"]["record"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, SDPA_OPS, STAND_IN_SITE, child_env, run_python
+from .conftest import ROOT, SDPA_OPS, STAND_IN_SITE, child_env, run_python, selected_values
 from .test_parity_models import present
 
 MODELS = ["qwen3", "qwen3_moe"]
@@ -139,12 +139,7 @@ def _models():
 @pytest.fixture(scope="module")
 def received(request, tmp_path_factory):
     """{form: what the receiver found}: one builder and one receiver for every form this session runs."""
-    selected = [
-        item.callspec.params["how"]
-        for item in request.session.items
-        if item.module is request.module and hasattr(item, "callspec") and "how" in item.callspec.params
-    ]
-    forms = "+".join(dict.fromkeys(selected))
+    forms = "+".join(selected_values(request, "how"))
     models = _models()
     folder = str(tmp_path_factory.mktemp("portable"))
     _run(BUILDER.format(models=models), forms, folder, PYTHONPATH=str(STAND_IN_SITE))

@@ -27,6 +27,7 @@ venv:
 first (``--extra``: a file with a dict of ``Model`` to count as table models, e.g. a proposed table).
 """
 
+import dis
 import hashlib
 import os
 import sys
@@ -46,6 +47,9 @@ _PACKAGE = __name__.rpartition(".")[0].rpartition(".")[0]
 BUILTIN = {}
 _MEMO = {}  # (the kernel's variants, fingerprint[, qualified name if refused]) -> (variant, reason)
 _FINGERPRINTS = weakref.WeakKeyDictionary()  # stock function -> fingerprint
+_STATE_NAMES = {}  # module name -> the globals its functions assign (``global x``): state, not code
+_STORE_GLOBAL = dis.opmap["STORE_GLOBAL"]
+_EXTENDED_ARG = dis.opmap["EXTENDED_ARG"]
 _digest = None
 
 
@@ -84,12 +88,28 @@ def _named_by_qualname(fn):
     return "<" not in fn.__qualname__ and not (fn.__module__ or "").startswith("transformers.")
 
 
+def _stock(value):
+    """The stock function behind a replacement of ours (the patcher sets ``__wrapped__``), else ``value``.
+
+    A fingerprint is of the code stock runs, whatever of ours is in place when it is taken: a helper
+    or a base-class method another target's patch replaced (the default attention's route on
+    ``PreTrainedModel``) would otherwise give the same code another fingerprint, and the memo keeps it.
+    """
+    while isinstance(value, _FUNCTION) and (value.__module__ or "").startswith(_PACKAGE + "."):
+        wrapped = getattr(value, "__wrapped__", None)
+        if wrapped is None:
+            break
+        value = wrapped
+    return value
+
+
 def _value(h, name, value, seen, depth, owner, closure=False):
     """What a referenced global or closure cell contributes: a helper's own fingerprint, or its name.
 
     A closure's functions (a decorator's wrapped method, a factory's arguments) and lambdas or
     local functions are followed wherever they come from: their names do not tell them apart.
     """
+    value = _stock(value)
     if isinstance(value, _FUNCTION):
         followed = closure or not _named_by_qualname(value)
         if followed and value not in seen:
@@ -109,6 +129,34 @@ def _value(h, name, value, seen, depth, owner, closure=False):
     # on an NPU, and its code must have one fingerprint wherever the module was first imported.
 
 
+def _stored_globals(code, names):
+    """Add to ``names`` the globals ``code`` (and the code nested in it) assigns, read off its bytecode."""
+    raw, extended = code.co_code, 0
+    for i in range(0, len(raw), 2):
+        op, arg = raw[i], raw[i + 1] | extended
+        extended = arg << 8 if op == _EXTENDED_ARG else 0
+        if op == _STORE_GLOBAL:
+            names.add(code.co_names[arg])
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _stored_globals(const, names)
+
+
+def _state_names(namespace):
+    """The globals of a module that its own functions rebind: transformers' flash-attention helpers are
+    None until the first FA2 model loads them (``lazy_import_flash_attention``), so the code reading them
+    must count them by name, or its fingerprint would depend on what the process ran before."""
+    module = namespace.get("__name__")
+    names = _STATE_NAMES.get(module)
+    if names is None:
+        names = set()
+        for value in list(namespace.values()):
+            if isinstance(value, _FUNCTION) and value.__globals__ is namespace:
+                _stored_globals(value.__code__, names)
+        _STATE_NAMES[module] = names
+    return names
+
+
 def _function(h, fn, seen, depth, owner):
     _code(h, fn.__code__)
     h.update(repr(fn.__defaults__).encode())
@@ -120,11 +168,14 @@ def _function(h, fn, seen, depth, owner):
             continue
         _value(h, "<closure>", contents, seen, depth, owner, closure=True)
     namespace = fn.__globals__
+    state = _state_names(namespace)
     for name in fn.__code__.co_names:
-        if name in namespace:
+        if name in state:
+            h.update(f"{name}=<state>".encode())
+        elif name in namespace:
             _value(h, name, namespace[name], seen, depth, owner)
         elif owner is not None:
-            method = getattr(owner, name, None)  # self._norm(...) in Gemma3RMSNorm.forward
+            method = _stock(getattr(owner, name, None))  # self._norm(...) in Gemma3RMSNorm.forward
             # torch's own (nn.Module.to, ...: also a tensor method's name) count by name, as torch does
             if isinstance(method, _FUNCTION) and method not in seen:
                 seen.add(method)

@@ -84,5 +84,8 @@ def test_sft_trainer_computes_the_loss_with_its_own_head_and_report_says_so(
 def test_sft_trainer_0x_reads_the_logits_so_the_switch_stays_off_with_it(tmp_path, npu_stand_in):
     """What docs/loss.md tells TRL 0.x users: its entropy metric needs outputs.logits in training."""
     npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
+    model = tiny_model("qwen3")
+    record = npu_autopatch.status()["qwen3"]
+    assert record.kernels == ("loss",), record  # the switch took (else the logits are there anyway)
     with pytest.raises(AttributeError, match="NoneType"):
-        _sft(tiny_model("qwen3"), tmp_path)
+        _sft(model, tmp_path)

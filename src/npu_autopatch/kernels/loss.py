@@ -219,10 +219,13 @@ class _ProbeConfig:
 
     A vision-language model's text settings are its ``text_config`` (or ``get_text_config()``),
     another such config; the vision feature switches that transformers validates are given
-    their defaults, as they select nothing in the head.
+    their defaults, as they select nothing in the head. So are the output switches: once a real
+    model of the class was built in the process, transformers' output-capturing wrapper reads them
+    (``_CAN_RECORD_REGISTRY``), and 0.5 there sent the stock code into another path.
     """
 
     def __init__(self, **known):
+        self.__dict__.update(output_attentions=False, output_hidden_states=False, sub_configs={})
         self.__dict__.update(known)
 
     def __getattr__(self, name):

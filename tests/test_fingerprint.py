@@ -186,3 +186,47 @@ def test_the_npu_flash_functions_have_one_fingerprint_with_or_without_torch_npu(
         assert result.returncode == 0, result.stderr[-3000:]
         found.append(result.stdout.split("PRINTS", 1)[1].split())
     assert found[0] == found[1] and "None" not in found[0], found
+
+
+def test_a_fingerprint_does_not_depend_on_what_the_process_ran_before(monkeypatch):
+    """transformers binds its flash-attention helpers lazily (None until the first FA2 model), and the
+    default attention's route replaces a method of ``PreTrainedModel``: neither changes the fingerprint
+    of the stock code that reads them, or the shipped verdicts would miss after either (seen under
+    another test order)."""
+    from transformers import modeling_flash_attention_utils as flash
+    from transformers import modeling_utils
+
+    import npu_autopatch
+    from npu_autopatch.testing import stand_in
+
+    readers = [
+        flash._flash_attention_forward,
+        modeling_utils.PreTrainedModel._check_and_adjust_attn_implementation,
+    ]
+    before = [_fingerprint.fingerprint(f) for f in readers]
+    rebound = _fingerprint._state_names(vars(flash))
+    assert {"_flash_fn", "_pad_fn"} <= rebound
+    for name in rebound:  # as lazy_import_flash_attention binds them
+        monkeypatch.setattr(flash, name, lambda *args, **kwargs: None)
+    _fingerprint.forget()
+    assert [_fingerprint.fingerprint(f) for f in readers] == before
+    with stand_in():
+        npu_autopatch.enable()  # the route on PreTrainedModel.get_correct_attn_implementation
+        _fingerprint.forget()
+        assert [_fingerprint.fingerprint(f) for f in readers] == before
+
+
+def test_a_live_probe_gives_the_shipped_verdict_after_a_real_model_of_the_class_was_built(monkeypatch):
+    """Building a model registers its class with transformers' output capture (4.57 then reads the
+    output switches of the loss probe's fake config): the probe's verdict must not change with it."""
+    from npu_autopatch.testing.parity import tiny_model
+
+    tiny_model("qwen3_vl")
+    checked = 0
+    for where, kernel, stock in table_targets():
+        if where.startswith("qwen3_vl:") and kernel.name == "loss":
+            assert live(kernel, stock, monkeypatch) == _fingerprint.shipped(
+                kernel, _fingerprint.fingerprint(stock), stock
+            ), where
+            checked += 1
+    assert checked == 1

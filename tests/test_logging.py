@@ -19,27 +19,30 @@ def our_lines(stderr):
     return [line for line in stderr.splitlines() if "npu-autopatch" in line]
 
 
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """An environment no launcher set: no rank variable, every rank's logging not asked for."""
+    monkeypatch.delenv(ENV_LOG_ALL_RANKS, raising=False)
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
 # Each launcher's variable, read as the log line is written (in-process: the same function a child runs).
 @pytest.mark.parametrize("variable", RANK_VARIABLES)
-def test_each_launchers_rank_variable_decides_who_logs(variable, monkeypatch):
-    monkeypatch.delenv(ENV_LOG_ALL_RANKS, raising=False)
-    for name in RANK_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+def test_each_launchers_rank_variable_decides_who_logs(variable, no_launcher):
     assert _prefix() == "npu-autopatch: "  # a single process
-    monkeypatch.setenv(variable, "0")
+    no_launcher.setenv(variable, "0")
     assert _prefix() == "npu-autopatch: "
-    monkeypatch.setenv(variable, " 3 ")
+    no_launcher.setenv(variable, " 3 ")
     assert _prefix() is None
-    monkeypatch.setenv(variable, "not a rank")  # ignored: a single process
+    no_launcher.setenv(variable, "not a rank")  # ignored: a single process
     assert _prefix() == "npu-autopatch: "
 
 
-def test_the_first_rank_variable_set_wins(monkeypatch):
-    monkeypatch.delenv(ENV_LOG_ALL_RANKS, raising=False)
-    for name in RANK_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("RANK", "5")
-    monkeypatch.setenv("SLURM_PROCID", "0")
+def test_the_first_rank_variable_set_wins(no_launcher):
+    no_launcher.setenv("RANK", "5")
+    no_launcher.setenv("SLURM_PROCID", "0")
     assert _prefix() is None
 
 

@@ -241,10 +241,9 @@ def test_strict_mode_never_raises_for_a_candidate_nominated_by_its_name_only():
 
 STRICT_NO_NPU = """
 import npu_autopatch
+from npu_autopatch.models import INTEGRATIONS
 # Without the integrations, whose modules transformers imports first (they would be the ones named).
-npu_autopatch.enable(
-    discover=True, strict=True, exclude=["npu_flash_attention", "flash_attention_utils", "default_attention"]
-)
+npu_autopatch.enable(discover=True, strict=True, exclude=sorted(INTEGRATIONS))
 try:
     from transformers.models.doge import modeling_doge
 except npu_autopatch.PatchError as exc:

@@ -11,6 +11,8 @@ import json
 
 import pytest
 
+from npu_autopatch.models import INTEGRATIONS
+
 from .conftest import STAND_IN_SITE, run_python
 
 # Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
@@ -265,7 +267,7 @@ def test_strict_mode_turns_each_fault_into_one_clear_exception():
         NPU_AUTOPATCH="1",
         NPU_AUTOPATCH_STRICT="1",
         NPU_AUTOPATCH_PROBE="always",
-        NPU_AUTOPATCH_EXCLUDE="npu_flash_attention,flash_attention_utils,default_attention",
+        NPU_AUTOPATCH_EXCLUDE=",".join(sorted(INTEGRATIONS)),
     )
     expected = {
         "unavailable": "llama skipped: torch_npu imported but torch.npu.is_available() is False",

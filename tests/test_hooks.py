@@ -9,6 +9,7 @@ import transformers
 from transformers.models.qwen3 import modeling_qwen3
 
 import npu_autopatch
+from npu_autopatch.models import INTEGRATIONS
 
 from .conftest import STAND_IN_SITE, run_python
 
@@ -54,7 +55,7 @@ def test_strict_errors_reach_the_user_as_patch_error_through_lazy_imports():
         STRICT_LAZY,
         NPU_AUTOPATCH="1",
         NPU_AUTOPATCH_STRICT="1",
-        NPU_AUTOPATCH_EXCLUDE="npu_flash_attention,flash_attention_utils,default_attention",
+        NPU_AUTOPATCH_EXCLUDE=",".join(sorted(INTEGRATIONS)),
         PYTHONPATH="",
     )
     for name, model in (("top_level", "qwen3"), ("auto", "llama")):

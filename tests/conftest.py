@@ -68,6 +68,18 @@ def patching_off():
     npu_autopatch.disable()
 
 
+@pytest.fixture(autouse=True)
+def environment_kept():
+    """Each test leaves os.environ as it found it. transformers 4.57's TrainingArguments writes
+    ACCELERATE_MIXED_PRECISION there: after one bf16 trainer test, every later Trainer of the worker
+    (and every child it starts) trained under bf16 autocast, whatever its own ``bf16=False`` said."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 # The fused attention ops torch_npu's own sdpa runs on the device for a model on its default attention
 # (the stand-in models it: testing/device/sdpa.py), in stock and patched runs alike.
 SDPA_OPS = frozenset({"npu_fusion_attention", "npu_fusion_attention_grad"})

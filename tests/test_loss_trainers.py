@@ -15,8 +15,6 @@ import npu_autopatch
 from npu_autopatch.kernels import loss as loss_kernel
 from npu_autopatch.testing.parity import tiny_model
 
-from .conftest import ROOT, child_result
-
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 TRL_1 = Version(trl.__version__) >= Version("1.0")
@@ -82,35 +80,26 @@ def test_sft_trainer_computes_the_loss_with_its_own_head_and_report_says_so(
     assert "FLAG loss" in text and "trl" in text, text
 
 
-# In a fresh interpreter: in CI's full matrix on 4.57 this run once in a few kept its logits, after an
-# unknown history of the worker process (not reproduced in-process since; see the issue note). The child
-# prints how the loss kernel's calls ran, so a failure names the rule that sent them to the stock loss.
-SFT_0X = r"""
-import json, sys
-import npu_autopatch
-from npu_autopatch.testing import stand_in
-from npu_autopatch.testing.parity import tiny_model
-from tests.test_loss_trainers import _sft
-
-with stand_in():
-    npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
-    model = tiny_model("qwen3")
-    kernels = npu_autopatch.status()["qwen3"].kernels
-    try:
-        _sft(model, sys.argv[1])
-    except AttributeError as exc:
-        error = str(exc)
-    else:
-        error = None
-    calls = npu_autopatch.status()["qwen3"].as_dict()["calls"]
-print("RESULT " + json.dumps({"kernels": list(kernels), "error": error, "calls": calls}))
-"""
+def test_a_bf16_trainers_arguments_before_it_make_the_history_of_ci(tmp_path):
+    """CI's worker ran bf16 trainers before the next test (its order): 4.57's TrainingArguments writes
+    ACCELERATE_MIXED_PRECISION=bf16 into os.environ, and the next test's Trainer ran under bf16 autocast
+    though it said ``bf16=False``. conftest's ``environment_kept`` undoes it; the next test is the witness."""
+    trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[])
 
 
 @pytest.mark.skipif(TRL_1, reason="TRL 0.x reads the logits in training")
-def test_sft_trainer_0x_reads_the_logits_so_the_switch_stays_off_with_it(tmp_path):
-    """What docs/loss.md tells TRL 0.x users: its entropy metric needs outputs.logits in training."""
-    out = child_result(SFT_0X, str(tmp_path), cwd=ROOT)
-    assert out["kernels"] == ["loss"], out  # the switch took (else the logits are there anyway)
-    assert out["error"] is not None, f"no AttributeError: the loss kernel's calls {out['calls']}"
-    assert "NoneType" in out["error"], out
+def test_sft_trainer_0x_reads_the_logits_so_the_switch_stays_off_with_it(tmp_path, npu_stand_in):
+    """What docs/loss.md tells TRL 0.x users: its entropy metric needs outputs.logits in training.
+    (Under bf16 autocast the loss kernel runs stock and the logits are there: conftest's
+    ``environment_kept`` keeps an earlier bf16 trainer's ACCELERATE_MIXED_PRECISION from leaking here.)"""
+    npu_autopatch.enable(models=["qwen3"], kernels=[], loss=True)
+    model = tiny_model("qwen3")
+    record = npu_autopatch.status()["qwen3"]
+    assert record.kernels == ("loss",), record  # the switch took (else the logits are there anyway)
+    try:
+        _sft(model, tmp_path)
+    except AttributeError as exc:
+        assert "NoneType" in str(exc)
+    else:
+        calls = npu_autopatch.status()["qwen3"].as_dict()["calls"]
+        pytest.fail(f"no AttributeError: the loss kernel's calls {calls}")

@@ -8,7 +8,6 @@ every step, the fused ops run, and no target is demoted.
 
 import collections
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -47,16 +46,6 @@ def texts(vocab: int, rows: int = 16, column: str = "text", lengths=(5, 14)) -> 
     sizes = torch.randint(*lengths, (rows,), generator=generator)
     words = [torch.randint(0, vocab - 2, (int(n),), generator=generator) for n in sizes]
     return datasets.Dataset.from_dict({column: [" ".join(f"t{int(i)}" for i in row) for row in words]})
-
-
-@pytest.fixture(autouse=True)
-def environment_kept():
-    """4.57's TrainingArguments writes ACCELERATE_MIXED_PRECISION into os.environ, and later runs (and
-    child processes) would inherit bf16 from it: each test leaves the environment as it found it."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 COMMON = dict(

@@ -13,7 +13,7 @@ import pytest
 from .conftest import ROOT, child_env
 
 # Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
-pytestmark = pytest.mark.full
+pytestmark = [pytest.mark.full, pytest.mark.process]
 
 
 BENCHMARKS = ROOT / "benchmarks"

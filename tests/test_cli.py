@@ -11,7 +11,7 @@ from npu_autopatch.testing import DEFAULT
 from .conftest import ROOT, child_env
 
 # Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
-pytestmark = pytest.mark.full
+pytestmark = [pytest.mark.full, pytest.mark.process]
 
 DENSE = ["llama", "mistral", "qwen2", "qwen3"]
 

@@ -152,6 +152,7 @@ def test_a_model_saved_while_patched_runs_in_a_process_without_us(how, received)
 
 
 @pytest.mark.full  # a worker interpreter more: CI's full matrix
+@pytest.mark.process
 def test_a_model_sent_to_a_spawned_worker_runs_there_unpatched(tmp_path):
     models = _models()
     got = _run(BUILDER.format(models=models), "spawn", str(tmp_path), PYTHONPATH=str(STAND_IN_SITE))
@@ -159,6 +160,7 @@ def test_a_model_sent_to_a_spawned_worker_runs_there_unpatched(tmp_path):
 
 
 @pytest.mark.full  # a Ray cluster: CI's full matrix
+@pytest.mark.process
 def test_a_model_sent_to_a_ray_task_runs_there_unpatched(tmp_path):
     pytest.importorskip("ray", reason="ray is not installed")
     models = _models()

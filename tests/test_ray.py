@@ -17,7 +17,7 @@ import pytest
 from .conftest import ROOT, STAND_IN_SITE, child_env
 
 # Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
-pytestmark = pytest.mark.full
+pytestmark = [pytest.mark.full, pytest.mark.process]
 
 
 pytest.importorskip("ray", reason="ray is not installed")

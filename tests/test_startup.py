@@ -11,7 +11,7 @@ from npu_autopatch.models import MODELS
 from .conftest import ROOT, STAND_IN_SITE, run_python
 
 # Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
-pytestmark = pytest.mark.full
+pytestmark = [pytest.mark.full, pytest.mark.process]
 
 
 STATE_AT_START = """

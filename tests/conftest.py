@@ -5,7 +5,6 @@ import importlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -14,6 +13,8 @@ import pytest
 
 import npu_autopatch
 from npu_autopatch import _plugins
+
+from ._warm import run as warm_run
 
 # Installed plugins (the example plugin is part of the test environment) are in MODELS
 # from the start here, as they are in every child process that reads the configuration.
@@ -33,28 +34,21 @@ def child_env(**overrides):
     return env
 
 
-def run_python(code, timeout=180, **env):
-    """Run ``code`` in a fresh interpreter of this venv: site, .pth files and all."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=child_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+def run_python(code, timeout=180, warm=True, **env):
+    """Run ``code`` in a fresh interpreter of this venv: site, .pth files and all (``warm``: forked with
+    torch imported where the environment allows, tests/_warm.py; ``False`` where the subject is the
+    interpreter's start)."""
+    return warm_run([sys.executable, "-c", textwrap.dedent(code)], child_env(**env), ROOT, timeout, warm)
 
 
 def child_result(code, *argv, timeout=600, pythonpath=ROOT / "src", cwd=None, **env):
-    """Run a child script (one intra-op thread, ``pythonpath`` on the path) and return the JSON it printed
-    after ``RESULT``; a failing child fails the test with its output."""
-    result = subprocess.run(
+    """Run a child script (one intra-op thread, ``pythonpath`` on the path; warm, as ``run_python``) and
+    return the JSON it printed after ``RESULT``; a failing child fails the test with its output."""
+    result = warm_run(
         [sys.executable, "-c", code, *argv],
-        env=child_env(PYTHONPATH=str(pythonpath), OMP_NUM_THREADS="1", **env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
+        child_env(PYTHONPATH=str(pythonpath), OMP_NUM_THREADS="1", **env),
+        cwd,
+        timeout,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return json.loads(result.stdout.split("RESULT", 1)[1])

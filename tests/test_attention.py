@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import transformers
 from npu_autopatch.kernels import KERNELS, choose_variant, golden_ops
 from npu_autopatch.kernels import attention as attention_kernel
 
-from .conftest import FULL, child_env
+from .conftest import FULL, child_env, warm_run
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 V4 = int(transformers.__version__.split(".")[0]) < 5
@@ -128,11 +127,9 @@ print("RESULT" + json.dumps(out))
 def run(profile="a2-newest", patch=True, dtype="float32", models=MODELS):
     """The per-model errors of CHILD's cases, its fused-op calls, and the attention entry's status."""
     options = {"profile": profile, "patch": patch, "dtype": dtype, "models": list(models)}
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-c", CHILD, json.dumps(options)],
         env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -221,11 +218,9 @@ with stand_in():
 def test_gpt_oss_fa2_refused_at_load_when_the_sinks_would_be_dropped():
     """With transformers' Ascend functions stock (here excluded), FA2 would drop gpt-oss's sinks: the load
     is refused with the reason, not a KeyError in the first forward; disable() takes the target out."""
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-c", REFUSED],
         env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -294,11 +289,9 @@ with stand_in() as npu:
 
 
 def syncs(patch):
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-c", SYNCS, json.dumps(patch)],
         env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -422,11 +415,9 @@ with stand_in() as npu:
 def test_a_fused_call_that_raises_is_reported_and_the_call_stays_right():
     """Not stock (which would drop the window): the replacement stays in the module (a later lookup gets it
     too) and runs unfused from then on; status says op-failed, the WARNING and report() say unfused."""
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-c", FAILING],
         env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -465,11 +456,9 @@ with stand_in():
 def test_report_names_each_attention_path(patch):
     """report(model) says what each attention module runs: FA2 on the NPU patched (with the variants) or
     stock (which drops windows and sinks), sdpa, eager."""
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-c", REPORT, json.dumps(patch)],
         env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -533,11 +522,9 @@ with stand_in() as npu:
 
 def test_cached_decoding_keeps_the_window():
     """Decode steps have Sq = 1 < Skv: the band counts from the bottom-right corner, as eager's window."""
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-c", GENERATE],
         env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

@@ -8,13 +8,12 @@ In a fresh interpreter: transformers caches whether it runs on an NPU.
 """
 
 import json
-import subprocess
 import sys
 import textwrap
 
 import torch
 
-from .conftest import child_env
+from .conftest import child_env, warm_run
 
 CHILD = textwrap.dedent(
     """
@@ -50,11 +49,9 @@ CHILD = textwrap.dedent(
 
 
 def test_enable_and_disable_after_the_first_flash_attention_forward_reach_the_model():
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-c", CHILD],
         env=child_env(OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

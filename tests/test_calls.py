@@ -4,7 +4,6 @@ family decides whether gpt-oss's sinks are fused (item 5: never on the Ascend 95
 import json
 import logging
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from npu_autopatch.kernels import attention as attention_kernel
 from npu_autopatch.kernels._requirements import device_family, sink_requirement
 from npu_autopatch.testing import PROFILES, stand_in, tiny
 
-from .conftest import child_env
+from .conftest import child_env, warm_run
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -216,11 +215,9 @@ print("RESULT" + json.dumps(out))
 
 
 def test_gpt_oss_on_the_950_runs_its_sinks_unfused_and_status_says_why():
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-c", GPT_OSS],
         env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

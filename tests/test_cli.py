@@ -8,7 +8,7 @@ import pytest
 
 from npu_autopatch.testing import DEFAULT
 
-from .conftest import ROOT, child_env
+from .conftest import ROOT, child_env, warm_run
 
 # Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
 pytestmark = [pytest.mark.full, pytest.mark.process]
@@ -17,11 +17,9 @@ DENSE = ["llama", "mistral", "qwen2", "qwen3"]
 
 
 def cli(*args, **env):
-    return subprocess.run(
+    return warm_run(
         [sys.executable, "-m", "npu_autopatch", *args],
         env=child_env(**env),
-        capture_output=True,
-        text=True,
         timeout=300,
         cwd=ROOT,
     )
@@ -59,7 +57,7 @@ def test_check_without_npu_skips_every_model_and_succeeds():
 def test_check_exits_1_when_a_model_fails():
     run = cli("check", "--simulate", NPU_AUTOPATCH_STRICT="1", NPU_AUTOPATCH_KERNELS="rms_norm")
     assert run.returncode == 0, run.stderr  # strict, but every selected model applies
-    failing = subprocess.run(
+    failing = warm_run(
         [
             sys.executable,
             "-c",
@@ -69,8 +67,6 @@ def test_check_exits_1_when_a_model_fails():
             "sys.exit(main(['check', '--simulate']))",
         ],
         env=child_env(),
-        capture_output=True,
-        text=True,
         timeout=300,
         cwd=ROOT,
     )
@@ -93,11 +89,9 @@ def test_the_tools_commands_answer_through_the_entry_points():
     scan = cli("scan", "--help")
     assert scan.returncode == 0, scan.stderr
     assert "--no-parity" in scan.stdout
-    generator = subprocess.run(
+    generator = warm_run(
         [sys.executable, "-m", "npu_autopatch.kernels", "--help"],
         env=child_env(),
-        capture_output=True,
-        text=True,
         timeout=300,
         cwd=ROOT,
     )

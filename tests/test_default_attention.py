@@ -9,7 +9,6 @@ same weights; packed documents are compared with each document run alone.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import transformers
 
 from npu_autopatch.testing import DEFAULT, PROFILES
 
-from .conftest import FULL, child_env, child_result, present
+from .conftest import FULL, child_env, child_result, present, warm_run
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 V4 = int(transformers.__version__.split(".")[0]) < 5
@@ -372,11 +371,9 @@ def test_the_environment_switch_turns_the_route_off():
         "    print(json.dumps([model.config._attn_implementation, record.state.value, record.reason]))\n"
     )
     for value, expected in (("0", ["sdpa", "skipped"]), ("1", ["flash_attention_2", "applied"])):
-        result = subprocess.run(
+        result = warm_run(
             [sys.executable, "-c", code],
             env=child_env(PYTHONPATH=str(SRC), NPU_AUTOPATCH_DEFAULT_ATTENTION=value),
-            capture_output=True,
-            text=True,
             timeout=300,
         )
         assert result.returncode == 0, result.stderr[-3000:]

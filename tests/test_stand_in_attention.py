@@ -12,12 +12,11 @@ check runs in a fresh interpreter and the other tests' process is left alone.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-from .conftest import child_env
+from .conftest import child_env, warm_run
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -84,11 +83,9 @@ with stand_in() as npu:
 def run_with_stand_in(body: str) -> None:
     """Run PRELUDE + body in a fresh interpreter of this venv; fail with its output if it fails."""
     code = textwrap.dedent(PRELUDE) + textwrap.indent(textwrap.dedent(body), "    ")
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-c", code],
         env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),  # tiny models: threads only contend
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-6000:]

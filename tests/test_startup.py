@@ -8,10 +8,16 @@ import pytest
 from npu_autopatch._config import SELECTABLE_KERNELS as KERNELS
 from npu_autopatch.models import MODELS
 
-from .conftest import ROOT, STAND_IN_SITE, run_python
+from .conftest import ROOT, STAND_IN_SITE
+from .conftest import run_python as _run_python
 
 # Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
 pytestmark = [pytest.mark.full, pytest.mark.process]
+
+
+def run_python(code, **env):
+    """A cold interpreter: the subject here is the interpreter's start (tests/_warm.py's limits)."""
+    return _run_python(code, warm=False, **env)
 
 
 STATE_AT_START = """

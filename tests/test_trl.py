@@ -8,7 +8,6 @@ every step, the fused ops run, and no target is demoted.
 
 import collections
 import json
-import subprocess
 import sys
 import textwrap
 
@@ -21,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 import npu_autopatch
 from npu_autopatch.testing.parity import tiny_model
 
-from .conftest import FULL, ROOT, child_env
+from .conftest import FULL, ROOT, child_env, warm_run
 
 trl = pytest.importorskip("trl")
 
@@ -190,11 +189,9 @@ def test_sft_padding_free_through_npu_flash_attention_matches_eager(model_type, 
     enabling after transformers has loaded its flash functions must still take effect. For the
     sliding-window model, stock FA2 drops the window: that run is the control, and it is off.
     """
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-c", PADDING_FREE, model_type, json.dumps(overrides)],
         env=child_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
         timeout=600,
         cwd=tmp_path,
     )

@@ -12,7 +12,6 @@ have no version counter).
 """
 
 import json
-import subprocess
 import sys
 import textwrap
 
@@ -23,7 +22,7 @@ import npu_autopatch
 from npu_autopatch.testing import stand_in
 from npu_autopatch.testing.parity import tiny_model
 
-from .conftest import child_env
+from .conftest import child_env, warm_run
 from .test_trainers import trainer_losses
 
 CHILD = textwrap.dedent(
@@ -152,9 +151,7 @@ LOOSER = {"linear_attn.A_log": 1.5e-1, "linear_attn.dt_bias": 1.5e-1}
 
 @pytest.fixture(scope="module")
 def result():
-    run = subprocess.run(
-        [sys.executable, "-c", CHILD], env=child_env(), capture_output=True, text=True, timeout=900
-    )
+    run = warm_run([sys.executable, "-c", CHILD], env=child_env(), timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT"))
     return json.loads(line[len("RESULT") :])

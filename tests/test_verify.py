@@ -2,13 +2,12 @@
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 import transformers
 
-from .conftest import ROOT, STAND_IN_SITE, child_env, run_python
+from .conftest import ROOT, STAND_IN_SITE, child_env, run_python, warm_run
 
 # Child interpreters, clusters or the whole table: CI's full matrix (`pytest -m ""`), not the quick default.
 pytestmark = pytest.mark.full
@@ -18,11 +17,9 @@ SIMULATE = ["verify", "--device", "cpu", "--simulate"]
 
 
 def cli(*args):
-    return subprocess.run(
+    return warm_run(
         [sys.executable, "-m", "npu_autopatch", *args],
         env=child_env(),
-        capture_output=True,
-        text=True,
         timeout=600,
         cwd=ROOT,
     )

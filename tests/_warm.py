@@ -8,14 +8,15 @@ as a script, one per pytest process) that imported those torch modules once and 
 note: not transformers, huggingface_hub or npu_autopatch, which the child imports itself, as a cold
 one does. The child takes its environment, working directory, ``sys.path``, ``sys.argv`` and a
 fresh ``__main__``, runs the code and exits as an interpreter does (non-daemon threads joined,
-atexit handlers run).
+atexit handlers run). With ``NPU_AUTOPATCH`` set, the child first runs the import line of our
+``npu_autopatch-env.pth``, as the start of an interpreter does (the server started without it).
 
-Limits, stated: torch is imported before the child's first line, under the server's environment.
-So a child whose environment changes what the interpreter's start or torch's import reads
-(``NPU_AUTOPATCH``, the thread counts, ``TORCH*``, ``PYTHON*`` but ``PYTHONPATH``) runs cold, and
-so does one whose subject is the interpreter's start or what is imported before the first line
-(the caller's ``warm=False``). One child at a time per server: a pytest process runs one test at a
-time.
+Limits, stated: torch is imported before the child's first line (and before our ``.pth`` line),
+under the server's environment. So a child whose environment changes what torch's import or the
+rest of the start reads (the thread counts, ``TORCH*``, ``PYTHON*`` but ``PYTHONPATH``) runs cold,
+and so does one whose subject is the interpreter's start or what is imported before the first line
+(the caller's ``warm=False``: tests/test_startup.py). One child at a time per server: a pytest
+process runs one test at a time.
 """
 
 import atexit
@@ -25,6 +26,7 @@ import os
 import runpy
 import select
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -41,9 +43,7 @@ _server = {}  # this process's server: "process", "env", "path"
 
 def _read_at_start(name):
     """Whether the interpreter's start or torch's import reads the environment variable ``name``."""
-    if name == "PYTHONPATH":
-        return False
-    return name == "NPU_AUTOPATCH" or name.startswith(("TORCH", "OMP_", "MKL_", "KMP_", "PYTHON"))
+    return name != "PYTHONPATH" and name.startswith(("TORCH", "OMP_", "MKL_", "KMP_", "PYTHON"))
 
 
 def _start(env):
@@ -153,6 +153,8 @@ def _child(how, code, argv, env, cwd, path, out, err):
     sys.modules["__main__"] = main
     status = 0
     try:
+        if env.get("NPU_AUTOPATCH"):
+            _boot_as_at_start()
         if how == "-m":
             runpy._run_module_as_main(code)  # what ``python -m`` runs: sys.argv[0] becomes the file
         else:
@@ -171,6 +173,18 @@ def _child(how, code, argv, env, cwd, path, out, err):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _boot_as_at_start():
+    """What site does with our .pth file at an interpreter's start: run its import lines."""
+    for directory in [*site.getsitepackages(), site.getusersitepackages()]:
+        path = os.path.join(directory, "npu_autopatch-env.pth")
+        if os.path.exists(path):
+            with open(path) as lines:
+                for line in lines:
+                    if line.startswith(("import ", "import\t")):
+                        exec(line)
+            return
 
 
 if __name__ == "__main__":

@@ -43,13 +43,27 @@ def test_a_module_run_warm_gets_its_file_as_argv_0_as_python_m_does():
     assert (warm.returncode, warm.stdout) == (cold.returncode, cold.stdout) and "| qwen3 |" in warm.stdout
 
 
-def test_what_the_start_reads_sends_a_child_cold():
-    """NPU_AUTOPATCH is read by the .pth line at the start, the thread counts by torch's import."""
-    code = "import sys; print('npu_autopatch' in sys.modules, 'torch' in sys.modules)"
-    assert _warm.run([sys.executable, "-c", code], child_env(), timeout=60).stdout == "False True\n"
-    for env in ({"NPU_AUTOPATCH": "1"}, {"OMP_NUM_THREADS": "7"}):
-        run = _warm.run([sys.executable, "-c", code], child_env(**env), timeout=60)
-        assert run.stdout.split()[1] == "False", env  # cold: torch not imported before its first line
+def test_what_torchs_import_reads_sends_a_child_cold():
+    code = "import sys; print('torch' in sys.modules)"
+    assert _warm.run([sys.executable, "-c", code], child_env(), timeout=60).stdout == "True\n"
+    for env in ({"OMP_NUM_THREADS": "7"}, {"TORCH_LOGS": "dynamo"}, {"PYTHONHASHSEED": "5"}):
+        assert _warm.run([sys.executable, "-c", code], child_env(**env), timeout=60).stdout == "False\n", env
+
+
+BOOTED = r"""
+import sys
+booted = "npu_autopatch._bootstrap" in sys.modules
+import npu_autopatch
+from transformers.models.qwen3 import modeling_qwen3
+print(booted, npu_autopatch.status()["qwen3"].state.value, modeling_qwen3.Qwen3RMSNorm.forward.__module__)
+"""
+
+
+def test_with_npu_autopatch_set_a_warm_child_boots_as_the_pth_line_does():
+    env = child_env(NPU_AUTOPATCH="1", PYTHONPATH=str(STAND_IN_SITE))
+    cold = _warm.run([sys.executable, "-c", BOOTED], env, cwd=ROOT, timeout=120, warm=False)
+    warm = _warm.run([sys.executable, "-c", BOOTED], env, cwd=ROOT, timeout=120)
+    assert warm.stdout == cold.stdout and cold.stdout.startswith("True applied npu_autopatch"), cold
 
 
 def test_a_child_past_its_timeout_is_killed_and_the_next_one_runs():

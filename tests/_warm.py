@@ -46,10 +46,11 @@ def _read_at_start(name):
     return name != "PYTHONPATH" and name.startswith(("TORCH", "OMP_", "MKL_", "KMP_", "PYTHON"))
 
 
-def _start(env):
-    """Start this process's server under ``env``, without NPU_AUTOPATCH (nothing armed in it) and
-    PYTHONPATH (each child's own goes before the plain interpreter's path)."""
-    env = {k: v for k, v in env.items() if k not in ("NPU_AUTOPATCH", "PYTHONPATH")}
+def _start():
+    """Start this process's server in this process's environment, whatever the first child asks for
+    (a child's differing thread count would send every later child cold), without NPU_AUTOPATCH
+    (nothing armed in it) and PYTHONPATH (each child's own goes before the plain interpreter's path)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NPU_AUTOPATCH", "PYTHONPATH")}
     pipe = subprocess.PIPE
     process = subprocess.Popen([sys.executable, __file__], env=env, stdin=pipe, stdout=pipe)
     _server.update(process=process, env=env, pending=b"")
@@ -78,7 +79,7 @@ def _warm_enough(args, env):
     if args[:2] not in ([sys.executable, "-c"], [sys.executable, "-m"]):
         return False
     if not _server:
-        _start(env)
+        _start()
     started = _server["env"]
     return not any(_read_at_start(k) for k in set(env) | set(started) if env.get(k) != started.get(k))
 
@@ -137,9 +138,13 @@ def _serve():
 
 def _child(how, code, argv, env, cwd, path, out, err):
     """In the forked child: become ``python -c code *argv`` (or ``-m``) and exit as the interpreter does."""
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nothing, 0)
+    os.close(nothing)
     for fd, name in ((1, out), (2, err)):
-        os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        opened = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
     sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
     sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)  # noqa: SIM115

@@ -21,7 +21,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
 import npu_autopatch
 from npu_autopatch.models import MODELS
 
-from .conftest import STAND_IN_SITE, run_python
+from .conftest import STAND_IN_SITE, child_result, run_python
 
 CHECKED = ("qwen3", "llama", "qwen3_moe", "deepseek_v3")
 
@@ -134,3 +134,40 @@ def test_a_model_first_built_inside_init_empty_weights_in_bf16_is_fully_patched(
     state, kernels, reason, dtype, device = json.loads(child.stdout.splitlines()[-1])
     assert [state, kernels, reason] == ["applied", ["rms_norm", "swiglu", "rope"], None]
     assert dtype == "torch.bfloat16" and device == "meta"  # the user's context did its job
+
+
+# verl's other ranks, on the default attention: the model is built on meta (the route decides then),
+# its weights are assigned after, and it must run the fused attention and match eager on them.
+ROUTED = r"""
+import copy, json, torch
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM
+import npu_autopatch
+from npu_autopatch.testing import stand_in
+
+config = AutoConfig.for_model("qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64)
+with stand_in() as npu:
+    npu_autopatch.enable()  # nothing asked of the attention: the default path
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    on_meta = str(next(model.parameters()).device)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    model.load_state_dict(eager.state_dict(), assign=True)
+    ids = torch.randint(1, 64, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
+    before = npu.calls["npu_fusion_attention"]
+    got = model.eval()(ids, attention_mask=mask).logits[mask.bool()]
+    fused = npu.calls["npu_fusion_attention"] - before
+    want = eager(ids, attention_mask=mask).logits[mask.bool()]
+print("RESULT" + json.dumps({"on_meta": on_meta, "implementation": model.config._attn_implementation,
+                             "fused": fused, "error": ((got - want).abs().max() / want.abs().max()).item()}))
+"""
+
+
+def test_a_model_built_inside_init_empty_weights_takes_the_default_route_and_matches_eager():
+    found = child_result(ROUTED)
+    assert found["on_meta"] == "meta" and found["implementation"] == "flash_attention_2", found
+    assert found["fused"] > 0 and found["error"] < 1e-4, found  # fp32, left-padded: fused and exact

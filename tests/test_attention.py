@@ -23,7 +23,7 @@ import transformers
 from npu_autopatch.kernels import KERNELS, choose_variant, golden_ops
 from npu_autopatch.kernels import attention as attention_kernel
 
-from .conftest import FULL, child_env, warm_run
+from .conftest import FULL, child_env, child_result, warm_run
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 V4 = int(transformers.__version__.split(".")[0]) < 5
@@ -127,13 +127,7 @@ print("RESULT" + json.dumps(out))
 def run(profile="a2-newest", patch=True, dtype="float32", models=MODELS):
     """The per-model errors of CHILD's cases, its fused-op calls, and the attention entry's status."""
     options = {"profile": profile, "patch": patch, "dtype": dtype, "models": list(models)}
-    result = warm_run(
-        [sys.executable, "-c", CHILD, json.dumps(options)],
-        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return json.loads(result.stdout.split("RESULT", 1)[1])
+    return child_result(CHILD, json.dumps(options), timeout=600)
 
 
 def assert_matches(found, dtype, fused):
@@ -191,6 +185,7 @@ def test_before_sink_the_sinks_run_unfused():
 
 REFUSED = r"""
 import json
+import sys
 import torch
 from npu_autopatch.testing import stand_in, tiny
 
@@ -218,13 +213,7 @@ with stand_in():
 def test_gpt_oss_fa2_refused_at_load_when_the_sinks_would_be_dropped():
     """With transformers' Ascend functions stock (here excluded), FA2 would drop gpt-oss's sinks: the load
     is refused with the reason, not a KeyError in the first forward; disable() takes the target out."""
-    result = warm_run(
-        [sys.executable, "-c", REFUSED],
-        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    found = json.loads(result.stdout.split("RESULT", 1)[1])
+    found = child_result(REFUSED, timeout=300)
     assert found["status"] == "applied", found
     assert "drop this model's attention sinks" in found["refused"], found
     assert "npu_flash_attention" in found["refused"] and "eager" in found["refused"], found
@@ -289,13 +278,7 @@ with stand_in() as npu:
 
 
 def syncs(patch):
-    result = warm_run(
-        [sys.executable, "-c", SYNCS, json.dumps(patch)],
-        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return json.loads(result.stdout.split("RESULT", 1)[1])
+    return child_result(SYNCS, json.dumps(patch), timeout=300)
 
 
 def test_host_copies_of_the_sequence_lengths_per_forward():
@@ -456,13 +439,7 @@ with stand_in():
 def test_report_names_each_attention_path(patch):
     """report(model) says what each attention module runs: FA2 on the NPU patched (with the variants) or
     stock (which drops windows and sinks), sdpa, eager."""
-    result = warm_run(
-        [sys.executable, "-c", REPORT, json.dumps(patch)],
-        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    found = json.loads(result.stdout.split("RESULT", 1)[1])
+    found = child_result(REPORT, json.dumps(patch), timeout=300)
     fa2 = "FA2 on the NPU, patched (attention kernel: dense, varlen)" if patch else "FA2 on the NPU, stock"
     for implementation, path in (("flash_attention_2", fa2), ("sdpa", "sdpa"), ("eager", "eager")):
         (entry,) = found[implementation]
@@ -522,11 +499,5 @@ with stand_in() as npu:
 
 def test_cached_decoding_keeps_the_window():
     """Decode steps have Sq = 1 < Skv: the band counts from the bottom-right corner, as eager's window."""
-    result = warm_run(
-        [sys.executable, "-c", GENERATE],
-        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    found = json.loads(result.stdout.split("RESULT", 1)[1])
+    found = child_result(GENERATE, timeout=300)
     assert found["same"] and found["error"] < 1e-4 and found["fused"] == 12, found  # 6 steps, 2 layers

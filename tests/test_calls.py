@@ -4,8 +4,6 @@ family decides whether gpt-oss's sinks are fused (item 5: never on the Ascend 95
 import json
 import logging
 import math
-import sys
-from pathlib import Path
 
 import torch
 from transformers.models.qwen3 import modeling_qwen3
@@ -18,9 +16,7 @@ from npu_autopatch.kernels import attention as attention_kernel
 from npu_autopatch.kernels._requirements import device_family, sink_requirement
 from npu_autopatch.testing import PROFILES, stand_in, tiny
 
-from .conftest import child_env, warm_run
-
-SRC = Path(__file__).resolve().parents[1] / "src"
+from .conftest import child_result
 
 QWEN3 = modeling_qwen3.__name__
 NORM = f"{QWEN3}:Qwen3RMSNorm.forward"
@@ -215,13 +211,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_gpt_oss_on_the_950_runs_its_sinks_unfused_and_status_says_why():
-    result = warm_run(
-        [sys.executable, "-c", GPT_OSS],
-        env=child_env(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1"),
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    found = json.loads(result.stdout.split("RESULT", 1)[1])
+    found = child_result(GPT_OSS, timeout=600)
     assert found["state"] == "applied", found
     assert found["variants"] == ["dense_unfused_sinks", "varlen_unfused_sinks"], found
     assert found["fused"] == 0 and found["error"] < 1e-4 and found["sink_grad_error"] < 1e-4, found

@@ -8,7 +8,6 @@ every step, the fused ops run, and no target is demoted.
 
 import collections
 import json
-import sys
 import textwrap
 
 import datasets
@@ -20,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 import npu_autopatch
 from npu_autopatch.testing.parity import tiny_model
 
-from .conftest import FULL, ROOT, child_env, warm_run
+from .conftest import FULL, ROOT, child_result
 
 trl = pytest.importorskip("trl")
 
@@ -189,14 +188,9 @@ def test_sft_padding_free_through_npu_flash_attention_matches_eager(model_type, 
     enabling after transformers has loaded its flash functions must still take effect. For the
     sliding-window model, stock FA2 drops the window: that run is the control, and it is off.
     """
-    result = warm_run(
-        [sys.executable, "-c", PADDING_FREE, model_type, json.dumps(overrides)],
-        env=child_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
-        timeout=600,
-        cwd=tmp_path,
+    found = child_result(
+        PADDING_FREE, model_type, json.dumps(overrides), timeout=600, pythonpath=ROOT, cwd=tmp_path
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    found = json.loads(result.stdout.split("RESULT", 1)[1])
     eager, patched = found["eager"], found["patched"]
     assert len(eager) == STEPS
     torch.testing.assert_close(patched, eager, rtol=LOSS_TOLERANCE["fp32"], atol=0)

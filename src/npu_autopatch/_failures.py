@@ -47,6 +47,13 @@ def is_op_failure(exc: BaseException) -> bool:
     return not any(_is_torch_control_flow(cls.__module__) for cls in type(exc).__mro__)
 
 
+def is_early_stop(exc: BaseException) -> bool:
+    """Whether ``exc`` is non-reentrant checkpointing's early stop of a recomputation (raised from a
+    saved-tensor hook once every tensor the backward needs is recomputed: the op ran)."""
+    cls = type(exc)
+    return cls.__name__ == "_StopRecomputationError" and cls.__module__ == "torch.utils.checkpoint"
+
+
 def _is_torch_control_flow(module: str) -> bool:
     return any(module == name or module.startswith(name + ".") for name in _TORCH_CONTROL_FLOW)
 

@@ -29,7 +29,7 @@ import sys
 from dataclasses import replace
 
 from . import _device, _ledger, _log, _resolve
-from ._failures import is_op_failure
+from ._failures import is_early_stop, is_op_failure
 from ._records import PatchError, PatchRecord, ReasonCode, State, TargetReason
 from ._state import STATE, locked
 from ._types import BUILTIN_KERNELS, Calls
@@ -243,6 +243,10 @@ def _on_error(model_type, placed, fallback=None, calls=None):
 
     def on_error(exc, *tensors):
         if not is_op_failure(exc):
+            if is_early_stop(exc):
+                # non-reentrant checkpointing's recomputation ran the fused op and stopped inside it once
+                # it had what the backward needs: a fused call, which the replacement cannot count after
+                on_error.calls.fused += 1
             raise exc
         on_error.calls.went_stock(OP_FAILED_CALL, tensors)
         try:

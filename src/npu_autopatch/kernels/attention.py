@@ -21,8 +21,11 @@ word (and, on 4.57, the softcap). The replacements take them and honour them:
 - softcap: the op has none; the call runs unfused (5.x stock raises, 4.57 stock drops it).
 
 Unfused is eager attention on the device in torch ops, as transformers' eager computes it: correct,
-with an S x S score matrix per head. A fused call that raises is reported through ``on_error`` and
-that function runs unfused from then on: stock would be wrong for a sliding-window model.
+with an S x S score matrix per head. A call outside the op's documented limits (head dim, heads,
+dtype) runs unfused without asking it; a fused call that raises is reported through ``on_error``
+and calls of that shape class run unfused from then on, the function's other calls stay fused (a
+model beside it with another head dim keeps the fused op). Never stock: stock would be wrong for a
+sliding-window model.
 
 The varlen function copies ``cu_seqlens[1:]`` to the host (the op takes lists): stock does it twice
 per layer. Here it is once per tensor: a tensor seen before (the same object, not modified since)
@@ -30,6 +33,7 @@ is not copied again, so verl-style ``cu_seq_lens_q/k`` passed to the model cost 
 """
 
 import inspect
+import logging
 import math
 import sys
 import threading
@@ -70,7 +74,9 @@ class _PerTensor:
         self._lock = threading.Lock()  # threads (e.g. pipeline stages) share it
 
     def __call__(self, tensor: torch.Tensor):
-        if tensor.is_inference():
+        if tensor.is_inference() or torch.compiler.is_compiling():
+            # compiling: a guard on the tensor's identity and version would compile the graph again
+            # for every new batch; the compiled call computes it as stock does
             return self._compute(tensor)
         key = id(tensor)
         entry = self._entries.get(key)
@@ -148,14 +154,56 @@ def _exposed(replacement):
     return replacement
 
 
-def _why_unfused(softcap, failed):
-    """The rule that sent a call to the unfused math (for its count in status())."""
-    return "softcap" if softcap is not None else "op-failed" if failed else "sinks unfused"
+# What npu_fusion_attention states it takes (op doc ``torch_npu-npu_fusion_attention.md``, op-plugin
+# master and 7.x: fp16/bf16/fp32; head dim D in 1..768 with the value's no larger; 1..256 query heads;
+# no empty sequence): a call outside it runs unfused for that call, without asking the op.
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM, _MAX_HEADS = 768, 256
+
+
+def _device_refusal(q, v, heads) -> str | None:
+    """The rule of the op's documented limits this call breaks, or None (a few integer comparisons)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if q.dtype not in _FUSED_DTYPES:
+        return f"dtype {q.dtype} (the op takes fp16, bf16, fp32)"
+    if not 1 <= dv <= d <= _MAX_HEAD_DIM:
+        return f"head dim outside 1..{_MAX_HEAD_DIM}"
+    if not 1 <= heads <= _MAX_HEADS:
+        return f"more than {_MAX_HEADS} heads"
+    if q.numel() == 0 or v.numel() == 0:
+        return "empty input"
+    return None
+
+
+def _shape_class(q, k, v, heads_dim, causal, window_size, s_aux) -> tuple:
+    """What a fused-op failure is remembered by: everything of a call but its token counts (device,
+    heads, head dims, dtype, mask mode, sink). A shape the op raised on runs unfused from then on;
+    another model's calls (another head dim, a model on the NPU beside one on the CPU) keep the fused
+    op. Token counts are left out: a new batch length would otherwise ask a refusing op again."""
+    return (
+        q.device.type, q.dtype, tuple(q.shape[heads_dim:]), tuple(k.shape[heads_dim:]), v.shape[-1],
+        causal, window_size is not None, s_aux is not None,
+    )  # fmt: skip
+
+
+def _fused_or_why(q, v, heads, softcap, s_aux, fused_sink, refused, key) -> str | None:
+    """None when this call goes to the fused op, else the rule that sends it to the unfused math (its
+    count in status())."""
+    if softcap is not None:
+        return "softcap"
+    if s_aux is not None and not fused_sink:
+        return "sinks unfused"
+    rule = _device_refusal(q, v, heads)
+    if rule is not None:
+        return f"device rule: {rule}"
+    if key in refused:
+        return "op-failed"  # this shape class raised before: it is not asked again
+    return None
 
 
 def _build_dense(stock, npu, on_error, fused_sink=True):
     get_mask, causal_mode = _stock_mask(stock)
-    failed = []
+    refused: dict[tuple, str] = {}  # shape class -> the fused op's error on it
     count_fused, count_stock = counters(on_error)
 
     def npu_flash_attn_func(
@@ -164,7 +212,9 @@ def _build_dense(stock, npu, on_error, fused_sink=True):
     ):  # fmt: skip
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         pre, nxt = _band(causal, window_size)
-        if softcap is None and not failed and (s_aux is None or fused_sink):
+        key = _shape_class(q, k, v, 2, causal, window_size, s_aux)
+        why = _fused_or_why(q, v, q.shape[2], softcap, s_aux, fused_sink, refused, key)
+        if why is None:
             options = _fused_options(q.device, causal, pre, nxt, s_aux, get_mask, causal_mode)
             try:
                 out = npu.npu_fusion_attention(
@@ -172,12 +222,12 @@ def _build_dense(stock, npu, on_error, fused_sink=True):
                 )[0]
             except Exception as exc:
                 on_error(exc, q, k, v)
-                failed.append(exc)
+                refused[key] = f"{type(exc).__name__}: {exc}"
             else:
                 count_fused()
                 return out
         else:
-            count_stock(_why_unfused(softcap, failed), q)
+            count_stock(why, q)
         return _unfused(q, k, v, scale, pre, nxt, s_aux, softcap, dropout_p)
 
     return _exposed(npu_flash_attn_func)
@@ -185,7 +235,7 @@ def _build_dense(stock, npu, on_error, fused_sink=True):
 
 def _build_varlen(stock, npu, on_error, fused_sink=True):
     get_mask, causal_mode = _stock_mask(stock)
-    failed = []
+    refused: dict[tuple, str] = {}  # shape class -> the fused op's error on it
     count_fused, count_stock = counters(on_error)
 
     def npu_flash_attn_varlen_func(
@@ -196,7 +246,9 @@ def _build_varlen(stock, npu, on_error, fused_sink=True):
         pre, nxt = _band(causal, window_size)
         ends_q = HOST_ENDS(cu_seqlens_q)
         ends_k = ends_q if cu_seqlens_k is cu_seqlens_q else HOST_ENDS(cu_seqlens_k)
-        if softcap is None and not failed and (s_aux is None or fused_sink):
+        key = _shape_class(q, k, v, 1, causal, window_size, s_aux)
+        why = _fused_or_why(q, v, q.shape[1], softcap, s_aux, fused_sink, refused, key)
+        if why is None:
             options = _fused_options(q.device, causal, pre, nxt, s_aux, get_mask, causal_mode)
             try:
                 out = npu.npu_fusion_attention(
@@ -205,12 +257,12 @@ def _build_varlen(stock, npu, on_error, fused_sink=True):
                 )[0]  # fmt: skip
             except Exception as exc:
                 on_error(exc, q, k, v)
-                failed.append(exc)
+                refused[key] = f"{type(exc).__name__}: {exc}"
             else:
                 count_fused()
                 return out
         else:
-            count_stock(_why_unfused(softcap, failed), q)
+            count_stock(why, q)
         pieces, q0, k0 = [], 0, 0
         for q1, k1 in zip(ends_q, ends_k, strict=True):
             one = (q[q0:q1], k[k0:k1], v[k0:k1])
@@ -484,7 +536,7 @@ def _flash_path(records) -> str:
         record = records.get("npu_flash_attention")
         variants = ", ".join(sorted(set(record.variants.values()))) if record is not None else "?"
         failed = record is not None and record.code == "op-failed"  # status()'s ReasonCode.OP_FAILED
-        how = "fused op given up: unfused" if failed else variants
+        how = "fused op given up for some shapes: unfused there" if failed else variants
         return f"FA2 on the NPU, patched (attention kernel: {how})"
     if home == integration.__name__:
         return "FA2 on the NPU, stock (drops sliding windows and sinks)"
@@ -494,7 +546,10 @@ def _flash_path(records) -> str:
 ATTENTION = Kernel(
     "attention",
     ("npu_fusion_attention",),
-    fallback="unfused attention (eager math on the device: stock would drop the window and the sinks)",
+    fallback=(
+        "unfused attention for calls of that shape (eager math on the device: stock would drop the window "
+        "and the sinks; other shapes keep the fused op)"
+    ),
     variants=(
         Variant("dense", _build_dense, _probe_dense, requires=sink_requirement),
         Variant("varlen", _build_varlen, _probe_varlen, requires=sink_requirement),
@@ -521,8 +576,12 @@ NO_FA2 = "no flash attention in transformers"
 NOT_TRANSFORMERS = "not transformers' own code"
 NOT_SELECTED = "model not selected"
 KNOWN_FAILURE = "transformers' FA2 path fails for it"
+INSIDE_NO_FA2 = "inside a model without flash attention"
+LEFT_STOCK = "model left stock"
 KERNEL_OFF = "attention kernel not applied"
-_ROUTINE = (CHOSEN, NOT_NPU, NO_FA2, NOT_TRANSFORMERS, NOT_SELECTED, KNOWN_FAILURE)
+# Why a call of a routed model runs stock sdpa rather than the flash path (decided per call).
+MASK_4D = "attention call with a 4-D mask"
+_ROUTINE = (CHOSEN, NOT_NPU, NO_FA2, NOT_TRANSFORMERS, NOT_SELECTED, KNOWN_FAILURE, INSIDE_NO_FA2, MASK_4D)
 # Model types (modeling module's package) whose transformers FA2 code raises or computes wrong where
 # its sdpa does not, on a transformers major ("4" or "5"; "*" both): they keep the default, with why.
 # Found by the whole-table parity test (tests/test_default_attention.py), not by the kernel.
@@ -553,7 +612,7 @@ class _Choices:
         self._lock = threading.Lock()
         self.reduced: set[type] = set()  # the config classes ``_portable`` registered a reducer for
 
-    def note(self, config, routed: bool, why: str | None, stock_choice: str) -> None:
+    def note(self, config, routed: bool, why: str | None, stock_choice: str, model) -> None:
         key = id(config)
 
         def forget(ref, key=key):
@@ -562,12 +621,17 @@ class _Choices:
                     del self._by_id[key]
 
         with self._lock:
-            self._by_id[key] = (weakref.ref(config, forget), routed, why, stock_choice)
+            self._by_id[key] = (weakref.ref(config, forget), routed, why, stock_choice, weakref.ref(model))
 
     def of(self, config):
         """(routed, why not, stock's choice) for this config, or None if no decision was seen."""
         entry = self._by_id.get(id(config))
-        return entry[1:] if entry is not None and entry[0]() is config else None
+        return entry[1:4] if entry is not None and entry[0]() is config else None
+
+    def decided_by(self, config):
+        """The model whose build took this config's decision (None once it is gone, or if none)."""
+        entry = self._by_id.get(id(config))
+        return entry[4]() if entry is not None and entry[0]() is config else None
 
     def routed(self):
         """[(config, stock's choice)] of the live routed configs."""
@@ -575,7 +639,7 @@ class _Choices:
             entries = list(self._by_id.values())
         return [
             (ref(), stock_choice)
-            for ref, routed, _why, stock_choice in entries
+            for ref, routed, _why, stock_choice, _model in entries
             if routed and ref() is not None
         ]
 
@@ -634,9 +698,8 @@ def _model_type(cls) -> str | None:
 
 
 def _fa2_fails(model_type) -> str | None:
-    major = sys.modules["transformers"].__version__.split(".", 1)[0]
     on, why = _FA2_FAILS.get(model_type, (None, None))
-    return why if on in ("*", major) else None
+    return why if on in ("*", _major()) else None
 
 
 def _flash_functions_ours() -> str | None:
@@ -659,21 +722,66 @@ def _flash_functions_ours() -> str | None:
     return f"{KERNEL_OFF} ({state})"
 
 
-def _why_not_routed(model, requested, npu_available) -> str | None:
+# Classes 4.57 lets run FA2 although FA2 drops the bidirectional part of their mask (the image tokens,
+# PaliGemma's prompt prefix): transformers 5 marks the same classes ``_supports_flash_attn = False``
+# ("Flash Attention drops the bidirectional mask over image tokens"); the route reads 4.57 as 5 does.
+_DROPS_BIDIRECTIONAL_4 = frozenset(
+    {
+        "Gemma3Model", "Gemma3ForConditionalGeneration", "Gemma3ForSequenceClassification",
+        "PaliGemmaModel", "PaliGemmaForConditionalGeneration",
+    }
+)  # fmt: skip
+
+
+def _supports_fa2(cls) -> bool:
+    """transformers' own test of a class (5.x ``_supports_flash_attn``, 4.57 ``_supports_flash_attn_2``,
+    less the classes whose mask FA2 cannot hold)."""
+    if not (getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False)):
+        return False
+    return _major() != "4" or cls.__name__ not in _DROPS_BIDIRECTIONAL_4
+
+
+def _major() -> str:
+    return sys.modules["transformers"].__version__.split(".", 1)[0]
+
+
+def _containers(model) -> list:
+    """The models whose ``__init__`` is building ``model``, innermost first: an inner base model is built
+    by its task model, a vision-language model's towers by the wrapper (from the Python stack: asked
+    only while a model is built). Empty for a model built on its own."""
+    base = sys.modules["transformers.modeling_utils"].PreTrainedModel
+    found, frame = [], sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            owner = frame.f_locals.get("self")
+            if owner is not model and isinstance(owner, base) and all(owner is not f for f in found):
+                found.append(owner)
+        frame = frame.f_back
+    return found
+
+
+def _why_not_routed(model, requested, npu_available, containers) -> str | None:
     """None when ``model``'s default attention goes to the flash-attention path, else the reason."""
     if requested is not None:
         return CHOSEN
     if not npu_available():
         return NOT_NPU
     cls = type(model)
-    if not (getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False)):
+    if not _supports_fa2(cls):
         return NO_FA2
+    if not all(_supports_fa2(type(container)) for container in containers):
+        # a wrapper that refuses FA2 (Gemma 3's and PaliGemma's vision-language classes: their mask is
+        # bidirectional over the image tokens or the prefix, which FA2 drops) keeps its towers on it too
+        return INSIDE_NO_FA2
     model_type = _model_type(cls)
     if model_type is None:
         return NOT_TRANSFORMERS  # remote code may call the flash-attn package itself
     record = sys.modules["npu_autopatch"].status().get(model_type)
-    if record is not None and record.code is not None and record.code.value in ("excluded", "not-selected"):
+    code = record.code.value if record is not None and record.code is not None else None
+    if code in ("excluded", "not-selected"):
         return NOT_SELECTED  # NPU_AUTOPATCH_EXCLUDE, or models= without it: stock, the attention too
+    if record is not None and record.state.value == "failed":
+        return LEFT_STOCK  # all or nothing: a model whose patch failed runs stock, its attention too
     if _fa2_fails(model_type):
         return KNOWN_FAILURE
     return _flash_functions_ours()
@@ -690,6 +798,11 @@ def _build_route(stock, npu, on_error):
     (sdpa, eager, a hub kernel) goes to stock untouched. transformers' own checks for FA2 are not
     run for the route: on the NPU they only warn about dtypes the op takes (fp32) and devices the
     model is not on yet, which a user who chose nothing should not read.
+
+    One decision per model built, counted once: the models its ``__init__`` builds (an inner base model
+    on the same config, a vision-language model's towers on its sub-configs) follow it, uncounted, and
+    a model inside one that refuses FA2 keeps stock's choice. What the flash path cannot take is
+    decided per call, by the replacement's ``per_call`` functions (``_install_route``).
     """
     from transformers.utils import is_torch_npu_available
 
@@ -697,21 +810,126 @@ def _build_route(stock, npu, on_error):
 
     def get_correct_attn_implementation(self, requested_attention, is_init_check=False, *args, **kwargs):
         config = getattr(self, "config", None)
-        decision = CHOICES.of(config) if requested_attention == _ROUTED else None
-        if decision is not None and decision[0]:
+        decision = CHOICES.of(config)
+        if requested_attention == _ROUTED and decision is not None and decision[0]:
             return _ROUTED  # transformers checking again what the route chose: not a new decision
         stock_choice = stock(self, requested_attention, is_init_check, *args, **kwargs)
-        why = _why_not_routed(self, requested_attention, is_torch_npu_available)
+        containers = _containers(self)
+        if decision is not None and requested_attention == decision[2]:
+            decider = CHOICES.decided_by(config)
+            if decider is self or any(decider is container for container in containers):
+                return stock_choice  # the choice written by this build's decision, read back
+        why = _why_not_routed(self, requested_attention, is_torch_npu_available, containers)
         if config is not None:
-            CHOICES.note(config, why is None, why, stock_choice)
-        if why is not None:
-            count_stock(why.split(" (", 1)[0])
-            return stock_choice
-        count_routed()
-        _portable((type(config),), on=True)
-        return _ROUTED
+            CHOICES.note(config, why is None, why, stock_choice, self)
+        if why is None:
+            _portable((type(config),), on=True)
+        if not containers:  # the model being built, not one its __init__ builds: counted once
+            if why is None:
+                count_routed()
+            else:
+                count_stock(why.split(" (", 1)[0])
+        return _ROUTED if why is None else stock_choice
 
+    def attention(flash):
+        """The registry's ``flash_attention_2`` function (``flash``), deciding per call for the models
+        the route chose it for: what the flash path cannot take runs stock's sdpa, as transformers'
+        default would have; an explicit FA2 model's calls go to ``flash`` untouched."""
+
+        def flash_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
+            if not _routed_config(getattr(module, "config", None)):
+                return flash(module, query, key, value, attention_mask, *args, **kwargs)
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+                # a custom mask (packed documents, a tree, a prefix) or transformers' compiled sdpa
+                # mask: only sdpa reads it, FA2 would index it as a padding mask
+                if not torch.compiler.is_compiling():
+                    count_stock(MASK_4D, query)
+                return _registry_function("sdpa")(module, query, key, value, attention_mask, *args, **kwargs)
+            if torch.compiler.is_compiling():
+                if attention_mask is None:
+                    return _registry_function("sdpa")(module, query, key, value, None, *args, **kwargs)
+                return flash(module, query, key, value, attention_mask, *args, **kwargs)
+            _QUIET.routed = True
+            try:
+                return flash(module, query, key, value, attention_mask, *args, **kwargs)
+            finally:
+                _QUIET.routed = False
+
+        return flash_attention_forward
+
+    def mask(flash_mask):
+        """The mask registry's ``flash_attention_2`` function (``flash_mask``): for a routed model under
+        ``torch.compile``, stock's sdpa mask, so that the compiled forward is stock's (no host copies,
+        no data-dependent unpadding); otherwise ``flash_mask``."""
+
+        def flash_attention_mask(*args, config=None, **kwargs):
+            if torch.compiler.is_compiling() and config is not None and _routed_config(config):
+                return _mask_function("sdpa")(*args, config=config, **kwargs)
+            return flash_mask(*args, config=config, **kwargs)
+
+        return flash_attention_mask
+
+    get_correct_attn_implementation.per_call = {"attention": attention, "mask": mask}
     return get_correct_attn_implementation
+
+
+class _Quiet(threading.local):
+    """transformers' FA2 code prints "Casting fp32 inputs back to torch.float32 for flash-attn
+    compatibility" once for an fp32 model (a cast to the dtype it has): a user who chose nothing never
+    chose FA2, and stock sdpa prints nothing. While a routed call runs (``routed``, per thread), the
+    filter on that logger drops the line; it is inert otherwise. transformers' ``warning_once`` then
+    remembers the line as printed: an explicit FA2 model in the same process does not print it either."""
+
+    routed = False
+
+    def filter(self, record) -> bool:
+        return not (self.routed and record.getMessage().startswith("Casting fp32 inputs back"))
+
+
+_QUIET = _Quiet()
+
+
+def _routed_config(config) -> bool:
+    """Whether the route chose FA2 for this config (a dict lookup: dynamo traces it as a constant)."""
+    decision = CHOICES.of(config)
+    return decision is not None and decision[0]
+
+
+def _registry_function(name):
+    """transformers' attention function of that name now (a user's registration included)."""
+    return sys.modules["transformers.modeling_utils"].AttentionInterface._global_mapping[name]
+
+
+def _mask_function(name):
+    """transformers' mask function of that name now."""
+    return sys.modules["transformers.masking_utils"].AttentionMaskInterface._global_mapping[name]
+
+
+def _install_route(target, build, slot):
+    """The route's ledger entries: the method that decides per model, and the two registry entries of
+    ``flash_attention_2`` (attention and mask functions) that decide per call for the routed models
+    (``_build_route``). All or none; ``disable()`` puts back what each held."""
+    import importlib
+
+    route = build(target.stock)
+    logging.getLogger("transformers.modeling_flash_attention_utils").addFilter(_QUIET)  # once: a set
+    entries = [
+        slot(target.owner, target.attr, target.current, route, target.had_own, target.where, path=target.path)
+    ]
+    registries = (
+        ("transformers.modeling_utils", "AttentionInterface", "ALL_ATTENTION_FUNCTIONS", "attention"),
+        ("transformers.masking_utils", "AttentionMaskInterface", "ALL_MASK_ATTENTION_FUNCTIONS", "mask"),
+    )
+    for module, interface, shown, kind in registries:
+        registry = getattr(importlib.import_module(module), interface)._global_mapping
+        current = registry.get(_ROUTED)
+        if current is None:
+            continue
+        where = f"{shown}[{_ROUTED!r}]"
+        entries.append(
+            slot(registry, _ROUTED, current, route.per_call[kind](current), True, where, plumbing=True)
+        )
+    return entries
 
 
 def _probe_route(stock, candidate):
@@ -745,6 +963,7 @@ DEFAULT_ATTENTION = Kernel(
     "default_attention",
     (),
     variants=(Variant("flash_attention_2", _build_route, _probe_route),),
+    install=_install_route,
     refresh=_refresh_routed,
     switch="default_attention",
     switched_on=True,

@@ -14,6 +14,8 @@ import json
 import pytest
 import transformers
 
+from npu_autopatch.models import MODEL_TYPES
+
 from .conftest import FULL, child_result, present
 
 V4 = int(transformers.__version__.split(".")[0]) < 5
@@ -102,6 +104,21 @@ def test_a_custom_4d_mask_on_a_routed_model_is_stock_sdpa():
     # each forward's attention calls (one per layer), counted stock with the reason
     assert counts["stock"]["attention call with a 4-D mask"] >= 6 * len(found), counts
     assert counts["fused"] == len(found), counts  # one routed decision per model built
+
+
+# Not compared: the omni models' tiny builds have no auto class taking their config (their thinkers are
+# tested through the default path's parity), and gpt-oss has no sdpa in transformers (stock raises).
+NO_STOCK_SDPA = {"qwen2_5_omni", "qwen3_omni_moe", "gpt_oss"}
+
+
+@FULL
+def test_a_custom_4d_mask_is_stock_sdpa_on_every_table_model():
+    models = [m for m in MODEL_TYPES if m not in NO_STOCK_SDPA and present(m)]
+    found = child_result(MASKS, json.dumps(models), timeout=2400)
+    found.pop("counts")
+    over = {m: case["errors"] for m, case in found.items() if not max(case["errors"].values()) < 1e-4}
+    assert not over, over
+    assert len(found) == len(models), found
 
 
 # One process, two routed models: one with a head dim the fused op does not take (896 > 768: its
@@ -409,3 +426,45 @@ def test_moe_fused_counts_match_the_op_calls_under_both_checkpointing_forms():
     for form, got in found.items():
         assert got["unpermute"] >= 2, found  # the forward and its recomputation
         assert got["fused"] == got["unpermute"], (form, found)
+
+
+# Compiled generate with a static cache (transformers' compileable cache; 5.x compiles its decode on
+# its own): transformers builds its masks up front, outside the compiled forward; a routed model's are
+# stock's sdpa masks, so the compiled forward is stock's: fullgraph, the same graphs, the same tokens.
+GENERATE = r"""
+import json, sys
+import torch, torch._dynamo
+from npu_autopatch.testing import stand_in, tiny
+
+with stand_in() as npu:
+    import npu_autopatch
+
+    if json.loads(sys.argv[1]):
+        npu_autopatch.enable()
+    model = tiny.model_from_config(tiny.tiny_config("qwen3")).eval()
+    ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static"
+        )
+    counters = torch._dynamo.utils.counters
+    print("RESULT" + json.dumps({
+        "tokens": out.tolist(),
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+        "implementation": model.config._attn_implementation,
+    }))
+"""
+
+
+def test_compiled_static_cache_generate_compiles_as_stock():
+    stock = child_result(GENERATE, "false", timeout=900)
+    routed = child_result(GENERATE, "true", timeout=900)
+    assert routed.pop("implementation") == "flash_attention_2", routed
+    assert stock.pop("implementation") == "sdpa", stock
+    assert routed == stock, (routed, stock)

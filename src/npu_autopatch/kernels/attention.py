@@ -849,11 +849,11 @@ def _build_route(stock, npu, on_error):
                 if attention_mask is None:
                     return _registry_function("sdpa")(module, query, key, value, None, *args, **kwargs)
                 return flash(module, query, key, value, attention_mask, *args, **kwargs)
-            _QUIET.routed = True
+            _CALL.routed = True
             try:
                 return flash(module, query, key, value, attention_mask, *args, **kwargs)
             finally:
-                _QUIET.routed = False
+                _CALL.routed = False
 
         return flash_attention_forward
 
@@ -863,30 +863,63 @@ def _build_route(stock, npu, on_error):
         no data-dependent unpadding); otherwise ``flash_mask``."""
 
         def flash_attention_mask(*args, config=None, **kwargs):
-            if torch.compiler.is_compiling() and config is not None and _routed_config(config):
+            stock_masks = torch.compiler.is_compiling() or _CALL.compileable_cache
+            if stock_masks and config is not None and _routed_config(config):
                 return _mask_function("sdpa")(*args, config=config, **kwargs)
             return flash_mask(*args, config=config, **kwargs)
 
         return flash_attention_mask
 
-    get_correct_attn_implementation.per_call = {"attention": attention, "mask": mask}
+    def generation_inputs(prepare):
+        """``GenerationMixin.prepare_inputs_for_generation`` (``prepare``): for a routed model with a
+        compileable cache, the masks it builds are stock's sdpa masks (``_Call.compileable_cache``)."""
+        names = list(inspect.signature(prepare).parameters)
+        index = next((names.index(name) for name in ("cache", "past_key_values") if name in names), None)
+
+        def prepare_inputs_for_generation(self, *args, **kwargs):
+            cache = None
+            if index is not None:
+                cache = kwargs.get(names[index]) if len(args) < index else args[index - 1]
+            routed = _routed_config(getattr(self, "config", None))
+            if not routed or not getattr(cache, "is_compileable", False):
+                return prepare(self, *args, **kwargs)
+            _CALL.compileable_cache = True
+            try:
+                return prepare(self, *args, **kwargs)
+            finally:
+                _CALL.compileable_cache = False
+
+        return prepare_inputs_for_generation
+
+    get_correct_attn_implementation.per_call = {
+        "attention": attention,
+        "mask": mask,
+        "generation": generation_inputs,
+    }
     return get_correct_attn_implementation
 
 
-class _Quiet(threading.local):
-    """transformers' FA2 code prints "Casting fp32 inputs back to torch.float32 for flash-attn
-    compatibility" once for an fp32 model (a cast to the dtype it has): a user who chose nothing never
-    chose FA2, and stock sdpa prints nothing. While a routed call runs (``routed``, per thread), the
-    filter on that logger drops the line; it is inert otherwise. transformers' ``warning_once`` then
-    remembers the line as printed: an explicit FA2 model in the same process does not print it either."""
+class _Call(threading.local):
+    """What the route's per-call functions need to know of the call in progress, per thread.
+
+    ``routed``: a routed call is running transformers' FA2 code, which prints "Casting fp32 inputs back
+    to torch.float32 for flash-attn compatibility" once for an fp32 model (a cast to the dtype it has):
+    a user who chose nothing never chose FA2, and stock sdpa prints nothing, so the filter on that
+    logger drops the line meanwhile (it is inert otherwise; transformers' ``warning_once`` then
+    remembers the line as printed, and an explicit FA2 model in the same process does not print it
+    either). ``compileable_cache``: ``generate`` is building the masks of a static (compileable) cache,
+    transformers' path to a compiled decode (5.x compiles it on its own): for a routed model they are
+    stock's sdpa masks, so its forward runs as stock's, compiled or not.
+    """
 
     routed = False
+    compileable_cache = False
 
     def filter(self, record) -> bool:
         return not (self.routed and record.getMessage().startswith("Casting fp32 inputs back"))
 
 
-_QUIET = _Quiet()
+_CALL = _Call()
 
 
 def _routed_config(config) -> bool:
@@ -912,7 +945,7 @@ def _install_route(target, build, slot):
     import importlib
 
     route = build(target.stock)
-    logging.getLogger("transformers.modeling_flash_attention_utils").addFilter(_QUIET)  # once: a set
+    logging.getLogger("transformers.modeling_flash_attention_utils").addFilter(_CALL)  # once: a set
     entries = [
         slot(target.owner, target.attr, target.current, route, target.had_own, target.where, path=target.path)
     ]
@@ -929,6 +962,13 @@ def _install_route(target, build, slot):
         entries.append(
             slot(registry, _ROUTED, current, route.per_call[kind](current), True, where, plumbing=True)
         )
+    mixin = importlib.import_module("transformers.generation.utils").GenerationMixin
+    prepare = mixin.__dict__.get("prepare_inputs_for_generation")
+    if prepare is not None:
+        where = "transformers.generation.utils:GenerationMixin.prepare_inputs_for_generation"
+        wrapped = route.per_call["generation"](prepare)
+        name = "prepare_inputs_for_generation"
+        entries.append(slot(mixin, name, prepare, wrapped, True, where, plumbing=True))
     return entries
 
 

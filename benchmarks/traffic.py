@@ -3,13 +3,13 @@ roofline model of the layer's time on an Atlas A2 (910B): a model, not a measure
 
 We cannot time a device here, but we can count what it would launch and move. Every op the model dispatches
 is recorded by a TorchDispatchMode: an aten op is one kernel with its own inputs and outputs; a torch_npu op
-of the CPU stand-in is one kernel with its own inputs and outputs (the mode sees the registered op, never
-the stand-in's Python inside it, which runs below the mode); view and allocation ops (``view``, ``t``,
-``detach``, ``empty``...) launch nothing. Bytes read are each distinct input tensor's elements (a broadcast
-dimension, stride 0, read once), bytes written each output's; an in-place index write counts the rows it
-touches. Matmul FLOPs come from torch's flop formulas, grouped matmuls' and ``npu_fusion_attention``'s
-(and its grad's: 2.5x the forward's) from their shapes and, for attention, the score elements the stand-in's
-work accounting says the device computes (``testing/device/work.py``).
+of the CPU stand-in is one kernel with its own inputs and outputs (the mode sees the registered op, whose
+fake kernel gives its outputs: the stand-in's Python inside it never runs here); view and allocation ops
+(``view``, ``t``, ``detach``, ``empty``...) launch nothing. Bytes read are each distinct input tensor's
+elements (a broadcast dimension, stride 0, read once), bytes written each output's; an in-place index write
+counts the rows it touches. Matmul FLOPs come from torch's flop formulas, grouped matmuls' and
+``npu_fusion_attention``'s (and its grad's: 2.5x the forward's) from their shapes and, for attention, the score
+elements the stand-in's work accounting says the device computes (``testing/device/work.py``).
 
 At the training shape, not by scaling: the models are built and run at full size on fake tensors
 (``FakeTensorMode``: shapes, dtypes and strides, no data; the stand-in's ops have fake kernels, as torch_npu's
@@ -158,7 +158,8 @@ def grouped_flops(pairs) -> int:
 
 def attention_flops(func, args, kwargs, backward: bool) -> int:
     """2 FLOPs per score element per head dim and matmul: QK^T and PV forward; the grad op recomputes QK^T
-    and computes dP, dV, dQ, dK (docs/attention.md's work accounting counts the elements)."""
+    and computes dP, dV, dQ, dK. The elements are the stand-in's work accounting's (its private helpers: the
+    geometry and the sparse mode's count, testing/device/attention.py and work.py)."""
     given = arguments(func, args, kwargs)
     q, k, v, layout = given["query"], given["key"], given["value"], given["input_layout"].upper()
     heads = given["head_num"]

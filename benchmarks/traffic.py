@@ -8,8 +8,8 @@ fake kernel gives its outputs: the stand-in's Python inside it never runs here);
 (``view``, ``t``, ``detach``, ``empty``...) launch nothing. Bytes read are each distinct input tensor's
 elements (a broadcast dimension, stride 0, read once), bytes written each output's; an in-place index write
 counts the rows it touches. Matmul FLOPs come from torch's flop formulas, grouped matmuls' and
-``npu_fusion_attention``'s (and its grad's: 2.5x the forward's) from their shapes and, for attention, the score
-elements the stand-in's work accounting says the device computes (``testing/device/work.py``).
+``npu_fusion_attention``'s (and its grad's: 2.5x the forward's) from their shapes and, for attention, the
+score elements the stand-in's work accounting says the device computes (``testing/device/work.py``).
 
 At the training shape, not by scaling: the models are built and run at full size on fake tensors
 (``FakeTensorMode``: shapes, dtypes and strides, no data; the stand-in's ops have fake kernels, as torch_npu's

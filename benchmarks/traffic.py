@@ -291,8 +291,8 @@ def vision_tower(layers: int) -> torch.nn.Module:
 
     config = transformers.Qwen2_5_VLConfig(vision_config=VISION).vision_config
     config.depth, config.fullatt_block_indexes = layers, []
-    with default_dtype(torch.bfloat16):
-        return modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel._from_config(config)
+    tower = modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel
+    return tower._from_config(config, dtype=torch.bfloat16)
 
 
 def vision_step(model: torch.nn.Module) -> None:
@@ -303,16 +303,6 @@ def vision_step(model: torch.nn.Module) -> None:
     out = model(pixels, grid_thw=torch.tensor([[1, side, side]]))
     merged = out.pooler_output if hasattr(out, "pooler_output") else out
     merged.float().sum().backward()
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 # Qwen2.5-VL-7B's vision tower (its config.json's vision_config).

@@ -263,7 +263,6 @@ class Case:
     """One model's layer: how to build it with ``layers`` layers, and one training step of it."""
 
     name: str
-    model_type: str  # its entry in the model table
     shape: str
     build: Callable[[int], torch.nn.Module]
     step: Callable[[torch.nn.Module], None]
@@ -323,7 +322,6 @@ VISION = {
 CASES = (
     Case(
         "qwen3",
-        "qwen3",
         "Qwen3-8B: hidden 4,096, 32/8 heads of 128, MLP 12,288",
         causal_lm(
             "qwen3",
@@ -338,7 +336,6 @@ CASES = (
         151936,  # its loss is modelled (qwen3_moe's head is the same)
     ),
     Case(
-        "qwen3_moe",
         "qwen3_moe",
         "Qwen3-235B-A22B: hidden 4,096, 64/4 heads of 128, 128 experts of 1,536, top-8",
         causal_lm(
@@ -360,7 +357,6 @@ CASES = (
     ),
     Case(
         "gemma3",
-        "gemma3",
         "Gemma-3-12B text, a sliding-window layer (1,024): hidden 3,840, 16/8 heads of 256, MLP 15,360",
         causal_lm(
             "gemma3_text",
@@ -377,7 +373,6 @@ CASES = (
     ),
     Case(
         "qwen2_5_vl vision",
-        "qwen2_5_vl",
         "Qwen2.5-VL-7B vision tower, a windowed block: hidden 1,280, 16 heads, MLP 3,420, one 896x896 image",
         vision_tower,
         vision_step,
@@ -502,8 +497,9 @@ MATMULS = {"aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm", "torch_npu.n
 
 
 def router(records: list[Record]) -> list[list[Record]]:
-    """The MoE router after its matmul (softmax, top-k, renormalisation, casts) of layer N, forward: what
-    ``npu_moe_gating_top_k_softmax`` fuses. Forward only: torch_npu registers no backward for it."""
+    """The MoE router after its matmul (softmax, top-k, renormalisation, casts) of layer N, forward, in the
+    module Qwen's MoE blocks call ``gate``: what ``npu_moe_gating_top_k_softmax`` fuses. Forward only:
+    torch_npu registers no backward for it."""
     return runs(
         records,
         lambda x: ".layers.N.mlp.gate" in x.where and not x.backward and x.op not in MATMULS,

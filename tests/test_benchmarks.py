@@ -30,6 +30,7 @@ TABLES = {
     "loss_memory.py": r"bfloat16 at \d+ tokens: peak \d+\.\dx lower, time \d+\.\d\dx stock",
     "patch_time.py": r"first model of a process \(import modeling_qwen3\): \d+ ms stock, \d+ ms patched .*",
     "startup.py": r"  NPU_AUTOPATCH=1: +\d+\.\d ms .*",
+    "traffic.py": r"  qwen3 +rms_norm +saves +\d+ kernels, +\d+\.\d\d GB, +\d+\.\d\d ms = +\d+\.\d % .*",
 }
 
 
@@ -37,8 +38,8 @@ def test_every_benchmark_has_a_quick_run_here():
     assert sorted(path.name for path in BENCHMARKS.glob("*.py")) == sorted(TABLES)
 
 
-@pytest.mark.parametrize("script", sorted(TABLES))
-def test_the_benchmark_runs_quick_and_prints_its_table(script):
+def quick(script: str) -> str:
+    """The script's output in its quick mode (it must exit 0)."""
     run = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--quick"],
         env=child_env(),
@@ -48,5 +49,31 @@ def test_the_benchmark_runs_quick_and_prints_its_table(script):
         cwd=ROOT,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    lines = run.stdout.splitlines()
-    assert any(re.fullmatch(TABLES[script], line) for line in lines), run.stdout
+    return run.stdout
+
+
+@pytest.mark.parametrize("script", sorted(TABLES))
+def test_the_benchmark_runs_quick_and_prints_its_table(script):
+    out = quick(script)
+    assert any(re.fullmatch(TABLES[script], line) for line in out.splitlines()), out
+
+
+def test_traffic_counts_fewer_kernels_patched_than_stock():
+    """traffic.py's qwen3 layer: a stock and a patched line, a line for each kernel qwen3's layer runs and for
+    the candidates; the patched layer launches fewer kernels and moves fewer bytes than stock."""
+    out = quick("traffic.py")
+    totals = {
+        label: (int(kernels), float(read) + float(written))
+        for label, kernels, read, written in re.findall(
+            r"^  qwen3 +(stock|patched) +(\d+) kernels  read +([\d.]+) GB  written +([\d.]+) GB  .* ms$",
+            out,
+            re.M,
+        )
+    }
+    assert totals.keys() == {"stock", "patched"}, out
+    assert totals["patched"][0] < totals["stock"][0], out
+    assert totals["patched"][1] < totals["stock"][1], out
+    saves = dict(re.findall(r"^  qwen3 +(\S.*?) +saves +(-?\d+) kernels, .* of the stock layer$", out, re.M))
+    assert {"rms_norm", "swiglu", "rope", "attention", "candidate add+rms_norm"} <= saves.keys(), out
+    assert any(label.startswith("candidate cross_entropy, per step") for label in saves), out
+    assert int(saves["rms_norm"]) > 0 and int(saves["rope"]) > 0, out

@@ -576,12 +576,16 @@ NO_FA2 = "no flash attention in transformers"
 NOT_TRANSFORMERS = "not transformers' own code"
 NOT_SELECTED = "model not selected"
 KNOWN_FAILURE = "transformers' FA2 path fails for it"
+DROPS_BIDIRECTIONAL = "FA2 drops its bidirectional mask"
 INSIDE_NO_FA2 = "inside a model without flash attention"
 LEFT_STOCK = "model left stock"
 KERNEL_OFF = "attention kernel not applied"
 # Why a call of a routed model runs stock sdpa rather than the flash path (decided per call).
 MASK_4D = "attention call with a 4-D mask"
-_ROUTINE = (CHOSEN, NOT_NPU, NO_FA2, NOT_TRANSFORMERS, NOT_SELECTED, KNOWN_FAILURE, INSIDE_NO_FA2, MASK_4D)
+_ROUTINE = (
+    CHOSEN, NOT_NPU, NO_FA2, DROPS_BIDIRECTIONAL, NOT_TRANSFORMERS, NOT_SELECTED, KNOWN_FAILURE,
+    INSIDE_NO_FA2, MASK_4D,
+)  # fmt: skip
 # Model types (modeling module's package) whose transformers FA2 code raises or computes wrong where
 # its sdpa does not, on a transformers major ("4" or "5"; "*" both): they keep the default, with why.
 # Found by the whole-table parity test (tests/test_default_attention.py), not by the kernel.
@@ -733,12 +737,14 @@ _DROPS_BIDIRECTIONAL_4 = frozenset(
 )  # fmt: skip
 
 
-def _supports_fa2(cls) -> bool:
-    """transformers' own test of a class (5.x ``_supports_flash_attn``, 4.57 ``_supports_flash_attn_2``,
-    less the classes whose mask FA2 cannot hold)."""
+def _fa2_refusal(cls) -> str | None:
+    """Why a class is not to run FA2 (transformers' own test: 5.x ``_supports_flash_attn``, 4.57
+    ``_supports_flash_attn_2``; and 4.57's classes whose mask FA2 cannot hold), or None."""
     if not (getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False)):
-        return False
-    return _major() != "4" or cls.__name__ not in _DROPS_BIDIRECTIONAL_4
+        return NO_FA2
+    if _major() == "4" and cls.__name__ in _DROPS_BIDIRECTIONAL_4:
+        return DROPS_BIDIRECTIONAL
+    return None
 
 
 def _major() -> str:
@@ -767,9 +773,10 @@ def _why_not_routed(model, requested, npu_available, containers) -> str | None:
     if not npu_available():
         return NOT_NPU
     cls = type(model)
-    if not _supports_fa2(cls):
-        return NO_FA2
-    if not all(_supports_fa2(type(container)) for container in containers):
+    refusal = _fa2_refusal(cls)
+    if refusal is not None:
+        return refusal
+    if any(_fa2_refusal(type(container)) for container in containers):
         # a wrapper that refuses FA2 (Gemma 3's and PaliGemma's vision-language classes: their mask is
         # bidirectional over the image tokens or the prefix, which FA2 drops) keeps its towers on it too
         return INSIDE_NO_FA2

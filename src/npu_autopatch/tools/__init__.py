@@ -7,3 +7,18 @@ runs. The tools use the mechanism's public API and the internal functions it kee
 (``_candidates.stock_code``, ``_patcher.present_targets``, ``kernels.choose_variant(live=True)``,
 ``_control.selection``/``restore``), never another module's private names.
 """
+
+import argparse
+
+
+class UsageError(Exception):
+    """Bad input to a command (an unknown name, a missing directory, options that do not go together):
+    ``python -m npu_autopatch`` prints it as one line on stderr, each line of it prefixed with the
+    command, and exits 2; never a traceback."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors one line (a UsageError) instead of the usage and a line."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")

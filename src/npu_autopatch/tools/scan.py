@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .._candidates import Candidate, candidates, modeling_modules, probe
+from .._config import did_you_mean
+from . import Parser, UsageError
 
 DTYPES = ("float32", "bfloat16")
 _BATCH_DIRS = 12  # package directories per child process
@@ -566,7 +568,12 @@ def to_json(result: ScanResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m npu_autopatch scan``; exit status 1 if a model type with targets fails parity."""
-    parser = argparse.ArgumentParser(prog="python -m npu_autopatch scan", description=__doc__.splitlines()[0])
+    parser = Parser(
+        prog="python -m npu_autopatch scan",
+        description="Which code of the installed transformers the kernels reproduce: every modeling "
+        "module's candidate targets probed, then each model type's tiny model stock vs patched on the "
+        "CPU stand-in for torch_npu (no NPU used). Exit status 1 if a model type with targets fails.",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--dirs", help="comma list of transformers/models directories (default: all)")
     parser.add_argument("--dtype", default=",".join(DTYPES), help="comma list: float32,bfloat16")
@@ -575,10 +582,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folders", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     dtypes = tuple(d.strip() for d in args.dtype.split(",") if d.strip())
+    if not dtypes or set(dtypes) - set(DTYPES):
+        raise UsageError(f"--dtype {args.dtype!r}: a comma list of {', '.join(DTYPES)}")
     if args.worker:
         _worker(args.folders, dtypes, not args.no_parity)
         return 0
-    folders = [f.strip() for f in args.dirs.split(",")] if args.dirs else None
+    folders = [f.strip() for f in args.dirs.split(",") if f.strip()] if args.dirs else None
+    layout = modeling_modules()
+    for folder in folders or ():
+        if folder not in layout:  # a typo would scan nothing and pass
+            hint = did_you_mean(folder, list(layout))
+            raise UsageError(
+                f"--dirs {folder!r}: no modeling module in transformers/models/{folder}"
+                + (f" ({hint})" if hint else "")
+            )
     result = scan(folders, dtypes, not args.no_parity, progress=lambda m: print(m, file=sys.stderr))
     print(to_json(result) if args.json else markdown(result))
     return 1 if any(m.parity and not m.passed for m in result.models) else 0

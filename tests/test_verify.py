@@ -88,7 +88,7 @@ def test_on_torch_npu_2_6_the_report_says_what_was_gated_and_why():
 def test_an_unknown_profile_is_refused():
     run = cli(*SIMULATE, "a2-1.0", "--models", "llama")
     assert run.returncode == 2
-    assert "unknown stand-in profile 'a2-1.0'" in run.stderr
+    assert "unknown stand-in profile: 'a2-1.0'" in run.stderr
 
 
 def test_the_table_reads_in_ten_seconds_and_ends_with_a_verdict():

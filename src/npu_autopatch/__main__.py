@@ -31,13 +31,12 @@ import platform
 import sys
 
 from . import _control, _device
-from ._config import did_you_mean
 from ._records import PatchRecord, ReasonCode, State, describe_calls
 from ._state import STATE
 from ._table import columns
 from .models import BUILTIN, MODELS
 from .testing import DEFAULT, PROFILES
-from .tools import Parser, UsageError
+from .tools import Parser, UsageError, known
 
 
 def _version(distribution):
@@ -330,9 +329,17 @@ def _report_command(args) -> int:
         lazy = "transformers" not in sys.modules
         if not args.no_patch:
             _control.enable()
-        from .testing import tiny  # transformers is imported here, after enable(): the lazy path
+        # transformers is imported here, after enable(): the lazy path
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-        _known_model_type(args.model_type)
+        from .testing import tiny
+
+        known(
+            [args.model_type],
+            CONFIG_MAPPING_NAMES,
+            f"model type of transformers {_version('transformers')}",
+            listed=False,
+        )
         try:
             model = tiny.tiny_model(args.model_type, dtype=getattr(torch, args.dtype))
         except tiny.TinyModelError as exc:
@@ -354,18 +361,6 @@ def _report_command(args) -> int:
     print()
     print(coverage.markdown() if args.markdown else coverage)
     return 0
-
-
-def _known_model_type(model_type: str) -> None:
-    """A UsageError, with the nearest names, for a model type the installed transformers does not have."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if model_type not in CONFIG_MAPPING_NAMES:
-        hint = did_you_mean(model_type, list(CONFIG_MAPPING_NAMES))
-        raise UsageError(
-            f"--model-type {model_type!r} is no model type of transformers {_version('transformers')}"
-            + (f" ({hint})" if hint else "")
-        )
 
 
 if __name__ == "__main__":

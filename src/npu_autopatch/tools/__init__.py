@@ -22,3 +22,19 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UsageError(f"{message} (see --help)")
+
+
+def known(names, valid, what: str, listed: bool = True):
+    """``names`` if each is in ``valid``; else a UsageError for the first that is not: ``unknown <what>
+    'qwen33' (did you mean 'qwen3'?)``, then the valid ones where ``listed`` (a short list)."""
+    from .._config import did_you_mean
+
+    for name in names:
+        if name not in valid:
+            hint = did_you_mean(name, list(valid))
+            raise UsageError(
+                f"unknown {what}: {name!r}"
+                + (f" ({hint})" if hint else "")
+                + (f"; valid: {', '.join(valid)}" if listed else "")
+            )
+    return names

@@ -32,8 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .._candidates import Candidate, candidates, modeling_modules, probe
-from .._config import did_you_mean
-from . import Parser, UsageError
+from . import Parser, known
 
 DTYPES = ("float32", "bfloat16")
 _BATCH_DIRS = 12  # package directories per child process
@@ -582,20 +581,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folders", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     dtypes = tuple(d.strip() for d in args.dtype.split(",") if d.strip())
-    if not dtypes or set(dtypes) - set(DTYPES):
-        raise UsageError(f"--dtype {args.dtype!r}: a comma list of {', '.join(DTYPES)}")
+    known(dtypes or ("",), DTYPES, "dtype")
     if args.worker:
         _worker(args.folders, dtypes, not args.no_parity)
         return 0
     folders = [f.strip() for f in args.dirs.split(",") if f.strip()] if args.dirs else None
-    layout = modeling_modules()
-    for folder in folders or ():
-        if folder not in layout:  # a typo would scan nothing and pass
-            hint = did_you_mean(folder, list(layout))
-            raise UsageError(
-                f"--dirs {folder!r}: no modeling module in transformers/models/{folder}"
-                + (f" ({hint})" if hint else "")
-            )
+    # A typo would scan nothing, and pass.
+    known(folders or (), modeling_modules(), "directory in transformers/models", listed=False)
     result = scan(folders, dtypes, not args.no_parity, progress=lambda m: print(m, file=sys.stderr))
     print(to_json(result) if args.json else markdown(result))
     return 1 if any(m.parity and not m.passed for m in result.models) else 0

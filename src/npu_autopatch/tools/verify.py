@@ -28,12 +28,11 @@ import sys
 from collections import Counter
 
 from .. import _control, _device
-from .._config import did_you_mean
 from .._records import PatchError
 from .._state import STATE
 from .._table import columns
 from ..models import INTEGRATIONS
-from . import UsageError
+from . import UsageError, known
 
 DTYPES = ("float32", "bfloat16")
 
@@ -412,17 +411,6 @@ def verifiable() -> list[str]:
     return [m for m in STATE.models if m not in INTEGRATIONS]
 
 
-def _checked(names: list[str], valid, what: str) -> list[str]:
-    """``names``, or a UsageError naming the first one not in ``valid``, with the nearest ones."""
-    for name in names:
-        if name not in valid:
-            hint = did_you_mean(name, list(valid))
-            raise UsageError(
-                f"unknown {what} {name!r}" + (f" ({hint})" if hint else "") + f"; valid: {', '.join(valid)}"
-            )
-    return names
-
-
 def main(args) -> int:
     """The ``verify`` subcommand (arguments parsed in __main__)."""
     models = verifiable()
@@ -434,8 +422,8 @@ def main(args) -> int:
                     f"{name} is not verifiable: it is an integration, no model of its own (verify the "
                     "models it serves)"
                 )
-        models = _checked(names, models, "model")
-    dtypes = _checked([d.strip() for d in args.dtype.split(",")], DTYPES, "dtype")
+        models = known(names, models, "model")
+    dtypes = known([d.strip() for d in args.dtype.split(",")], DTYPES, "dtype")
     device = args.device or ("cpu" if args.simulate else "npu")
     if args.simulate:
         from ..testing import PROFILES, stand_in
@@ -444,7 +432,7 @@ def main(args) -> int:
             raise UsageError("--simulate runs on the CPU stand-in: leave out --device npu")
         profile = None if args.simulate is True else args.simulate
         if profile is not None:
-            _checked([profile], PROFILES, "stand-in profile")
+            known([profile], PROFILES, "stand-in profile")
         provider = stand_in(profile=profile)
     elif device != "npu":
         raise UsageError("the NPU kernels run on --device npu; --device cpu needs --simulate")

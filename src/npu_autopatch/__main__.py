@@ -147,6 +147,7 @@ def _print(env: dict, report: dict[str, PatchRecord], as_json: bool) -> None:
 
 
 PROG = "python -m npu_autopatch"
+COMMANDS = ("status", "check", "models", "verify", "scan", "report")
 
 
 def _parser() -> Parser:
@@ -252,9 +253,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-COMMANDS = ("status", "check", "models", "verify", "scan", "report")
-
-
 def _main(argv: list[str]) -> int:
     missing = _missing_packages(argv)
     if missing:
@@ -307,14 +305,11 @@ def _missing_packages(argv: list[str]) -> list[str]:
     """torch and transformers, where the command needs them and they are not installed.
 
     ``status`` and ``models`` report what is there without them; ``check`` without them would list
-    every model absent and pass, a broken node looking fine; ``scan``, ``report`` and the stand-in
+    every model absent and pass, a broken node looking fine; ``scan``, ``report`` and ``verify``
     would end in a traceback instead of this one line. ``--help`` answers anyway.
     """
     if not argv or argv[0] not in ("check", "scan", "report", "verify") or {"-h", "--help"} & set(argv):
         return []
-    simulated = "--simulate" in argv or any(arg.startswith("--simulate=") for arg in argv)
-    if argv[0] == "verify" and not simulated:
-        return []  # on the NPU: its own message says what is missing there
     return [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
 
 

@@ -2,10 +2,12 @@
 
 They import every modeling module, build tiny models or rewrite a shipped file: work a library must
 never do on its user's behalf. So nothing in the library imports this package; the entry points
-(``python -m npu_autopatch``, ``python -m npu_autopatch.kernels``) import a tool when its command
-runs. The tools use the mechanism's public API and the internal functions it keeps for them
-(``_candidates.stock_code``, ``_patcher.present_targets``, ``kernels.choose_variant(live=True)``,
-``_control.selection``/``restore``), never another module's private names.
+(``python -m npu_autopatch``, ``python -m npu_autopatch.kernels``) import it for the one way every
+command refuses bad input (``UsageError``, ``Parser``, ``known``: one line, exit status 2), and a
+tool when its command runs. The tools use the mechanism's public API and the internal functions it
+keeps for them (``_candidates.stock_code``, ``_patcher.present_targets``,
+``kernels.choose_variant(live=True)``, ``_control.selection``/``restore``), never another module's
+private names.
 """
 
 import argparse

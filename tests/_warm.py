@@ -13,7 +13,7 @@ atexit handlers run). With ``NPU_AUTOPATCH`` set, the child first runs the impor
 
 Limits, stated: torch is imported before the child's first line (and before our ``.pth`` line),
 under the server's environment. So a child whose environment changes what torch's import or the
-rest of the start reads (the thread counts, ``TORCH*``, ``PYTHON*`` but ``PYTHONPATH``) runs cold,
+rest of the start reads (the thread counts, ``TORCH*``, ``ATEN_*``, ``PYTHON*`` but ``PYTHONPATH``) runs cold,
 and so does one whose subject is the interpreter's start or what is imported before the first line
 (the caller's ``warm=False``: tests/test_startup.py). One child at a time per server: a pytest
 process runs one test at a time.
@@ -43,7 +43,7 @@ _server = {}  # this process's server: "process", "env", "path"
 
 def _read_at_start(name):
     """Whether the interpreter's start or torch's import reads the environment variable ``name``."""
-    return name != "PYTHONPATH" and name.startswith(("TORCH", "OMP_", "MKL_", "KMP_", "PYTHON"))
+    return name != "PYTHONPATH" and name.startswith(("TORCH", "ATEN_", "OMP_", "MKL_", "KMP_", "PYTHON"))
 
 
 def _start():

@@ -136,7 +136,13 @@ def test_a_command_that_needs_torch_says_so_in_one_line_where_it_is_missing():
     probe = subprocess.run([base, "-c", "import torch"], capture_output=True, env=child_env())
     if probe.returncode == 0:
         pytest.skip("the base interpreter has torch: no interpreter without it here")
-    for command in (("check", "--simulate"), ("report", "--model-type", "qwen3"), ("scan", "--json")):
+    for command in (
+        ("check",),  # every model "absent" would pass: a node without transformers trains unpatched
+        ("check", "--simulate"),
+        ("report", "--model-type", "qwen3"),
+        ("scan", "--json"),
+        ("verify", "--simulate"),
+    ):
         run = subprocess.run(
             [base, "-m", "npu_autopatch", *command],
             env=child_env(PYTHONPATH=str(ROOT / "src")),
@@ -145,7 +151,8 @@ def test_a_command_that_needs_torch_says_so_in_one_line_where_it_is_missing():
             timeout=120,
         )
         assert run.returncode == 2, run.stderr
-        assert "Traceback" not in run.stderr and "needs torch and transformers installed" in run.stderr
+        assert "Traceback" not in run.stderr and len(run.stderr.splitlines()) == 1, run.stderr
+        assert "needs torch and transformers installed" in run.stderr
     status = subprocess.run(
         [base, "-m", "npu_autopatch", "status"],
         env=child_env(PYTHONPATH=str(ROOT / "src")),
@@ -154,3 +161,113 @@ def test_a_command_that_needs_torch_says_so_in_one_line_where_it_is_missing():
         timeout=120,
     )
     assert status.returncode == 0 and "patching_enabled: False" in status.stdout, status.stderr
+
+
+# Bad input, command by command (issue 33): one line on stderr naming the mistake, exit status 2, nothing
+# on stdout, never a traceback. (verify's "not working" verdict, exit 1, is tests/test_verify.py's.)
+BAD_INPUT = {
+    "check-unknown-model": (
+        ("check", "--simulate"),
+        {"NPU_AUTOPATCH_MODELS": "nosuchmodel"},
+        "'nosuchmodel'",
+    ),
+    "check-unknown-kernel": (("check", "--simulate"), {"NPU_AUTOPATCH_KERNELS": "bogus"}, "'bogus'"),
+    "check-typo": (("check",), {"NPU_AUTOPATCH_MODELS": "qwen33,qwen3"}, "did you mean 'qwen3'"),
+    "check-nothing-selected": (
+        ("check", "--simulate"),
+        {"NPU_AUTOPATCH_MODELS": "qwen3", "NPU_AUTOPATCH_EXCLUDE": "qwen3"},
+        "no model will be patched",
+    ),
+    "check-option": (("check", "--bogus"), {}, "unrecognized arguments: --bogus"),
+    "status-option": (("status", "--bogus"), {}, "unrecognized arguments: --bogus"),
+    "models-option": (("models", "--bogus"), {}, "unrecognized arguments: --bogus"),
+    "no-command": ((), {}, "required: command"),
+    "unknown-command": (("nosuchcommand",), {}, "invalid choice: 'nosuchcommand'"),
+    "report-unknown-model": (
+        ("report", "--model-type", "nosuchmodel"),
+        {},
+        "unknown model type of transformers",
+    ),
+    "report-typo": (("report", "--model-type", "qwen33"), {}, "did you mean 'qwen3'"),
+    "report-profile": (
+        ("report", "--model-type", "qwen3", "--profile", "banana"),
+        {},
+        "invalid choice: 'banana'",
+    ),
+    "report-no-model-type": (("report",), {}, "required: --model-type"),
+    "scan-missing-dir": (
+        ("scan", "--dirs", "nosuchdir"),
+        {},
+        "unknown directory in transformers/models: 'nosuchdir'",
+    ),
+    "scan-typo": (("scan", "--dirs", "qwen33", "--no-parity"), {}, "did you mean 'qwen3'"),
+    "scan-dtype": (("scan", "--dtype", "float16"), {}, "unknown dtype: 'float16'"),
+    "verify-default-attention": (
+        ("verify", "--simulate", "--models", "default_attention"),
+        {},
+        "not verifiable",
+    ),
+    "verify-verl": (("verify", "--simulate", "--models", "verl_npu_patch"), {}, "not verifiable"),
+    "verify-typo": (("verify", "--simulate", "--models", "qwen33"), {}, "did you mean 'qwen3'"),
+    "verify-dtype": (("verify", "--simulate", "--dtype", "fp8"), {}, "unknown dtype: 'fp8'"),
+    "verify-profile": (("verify", "--simulate", "banana"), {}, "unknown stand-in profile: 'banana'"),
+    "verify-npu-simulated": (("verify", "--simulate", "--device", "npu"), {}, "leave out --device npu"),
+    "verify-cpu-unsimulated": (("verify", "--device", "cpu"), {}, "--device cpu needs --simulate"),
+    "verify-no-npu": (("verify",), {}, "cannot verify: torch_npu not importable"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line_and_exit_status_2(case):
+    argv, env, said = BAD_INPUT[case]
+    run = cli(*argv, **env)
+    assert run.returncode == 2, run.stdout[-1000:] + run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and run.stdout == "", run.stdout[-1000:] + run.stderr[-2000:]
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m npu_autopatch"), run.stderr
+    assert said in lines[0], lines[0]
+
+
+def test_a_selection_mistake_at_start_and_in_check_is_two_lines_at_most():
+    run = cli("check", "--simulate", NPU_AUTOPATCH="1", NPU_AUTOPATCH_KERNELS="bogus")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    lines = run.stderr.splitlines()  # the start's WARNING, then check's verdict
+    assert len(lines) == 2 and all("'bogus'" in line for line in lines), lines
+
+
+def test_verify_simulate_alone_runs_on_the_cpu():
+    run = cli("verify", "--simulate", "--models", "llama", "--dtype", "float32", "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout)["environment"]["device"] == "cpu"
+
+
+def test_report_says_it_ran_on_the_cpu_stand_in():
+    run = cli("report", "--model-type", "qwen3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "on the CPU stand-in for torch_npu" in run.stdout.splitlines()[0], run.stdout[:500]
+    assert "CPU stand-in" in " ".join(cli("report", "--help").stdout.split())
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """``models | head``: the pipe is closed before the table is written (deterministically so)."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "npu_autopatch", "models"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_env(),
+        cwd=ROOT,
+    )
+    child.stdout.close()
+    stderr = child.stderr.read().decode()
+    assert child.wait(timeout=120) == 1
+    assert stderr == ""
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_every_help_page_describes_its_command_in_plain_text(command):
+    run = cli(*command.split(), "--help")
+    assert run.returncode == 0, run.stderr
+    usage, description = run.stdout.split("\n\n")[:2]
+    assert usage.startswith("usage: python -m npu_autopatch")
+    assert not description.lstrip().startswith(("positional arguments", "options")), run.stdout
+    assert "``" not in run.stdout

@@ -29,7 +29,7 @@ from npu_autopatch.testing.parity import (
     tiny_model,
 )
 
-from .conftest import FULL, ROOT, present, run_python
+from .conftest import FULL, ROOT, child_result, present, run_python
 
 MODELS = [m for m in ("qwen3_5", "qwen3_5_moe", "qwen3_next") if present(m)]
 # Not in the table: their linear-attention decoder layers are found by discovery.
@@ -148,8 +148,8 @@ def test_unpacked_parity_with_stock(npu_stand_in, model_type):
     assert report.passed, report
 
 
-def exactly_stock(model_type, run):
-    """``run(model)`` stock, then with only this kernel patched in: equal to the last bit."""
+def stock_and_patched(model_type, run):
+    """``run(model)`` stock, then with only this kernel patched in."""
     model = tiny_model(model_type)
     with torch.no_grad():
         stock = run(model)
@@ -162,18 +162,51 @@ def exactly_stock(model_type, run):
     return stock, patched
 
 
-@pytest.mark.parametrize("model_type", MODELS)
-def test_padded_batch_is_exactly_stock(npu_stand_in, model_type):
+def padded_batch(model):
+    """Logits of a left-padded batch of two rows."""
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[0, :3] = 0  # left padding in the first row
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    return model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
 
-    def run(model):
-        return model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
 
-    stock, patched = exactly_stock(model_type, run)
-    assert torch.equal(stock, patched)
+# Stock runs transformers' chunk loop, patched the scan: other kernels, in another order. They agree
+# to the fp32 bound, not to the bit: on 4.57 the bits depend on the host's CPU and the ATen kernels
+# it picks (none here with AVX-512, 1.2e-7 with ATen's default kernels, 1.19e-7 on issue 33's host).
+@pytest.mark.parametrize("model_type", MODELS)
+def test_padded_batch_matches_stock(npu_stand_in, model_type):
+    stock, patched = stock_and_patched(model_type, padded_batch)
+    assert relative_error(patched, stock) <= 1e-5
+
+
+PADDED_ON_DEFAULT_KERNELS = """
+import json
+import torch
+from npu_autopatch.testing import stand_in
+from npu_autopatch.testing.parity import relative_error
+from tests.test_linear_attention import padded_batch, stock_and_patched
+
+assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+with stand_in():
+    stock, patched = stock_and_patched("qwen3_next", padded_batch)
+print("RESULT" + json.dumps(relative_error(patched, stock)))
+"""
+
+
+@FULL
+def test_padded_batch_matches_stock_on_aten_default_kernels():
+    """The same comparison where ATen runs its kernels without SIMD, as another host's CPU picks
+    others: the bound holds there too (the bitwise assertion it replaced failed there on 4.57)."""
+    if not present("qwen3_next"):
+        pytest.skip("qwen3_next is not in this transformers")
+    error = child_result(
+        PADDED_ON_DEFAULT_KERNELS,
+        pythonpath=f"{ROOT}:{ROOT / 'src'}",
+        cwd=ROOT,
+        ATEN_CPU_CAPABILITY="default",
+    )
+    assert error <= 1e-5
 
 
 @pytest.mark.parametrize("model_type", MODELS)
@@ -187,7 +220,7 @@ def test_decode_with_a_cache_matches_stock(npu_stand_in, model_type):
         )
         return out.sequences, torch.stack(out.logits)
 
-    (stock_tokens, stock_logits), (tokens, logits) = exactly_stock(model_type, run)
+    (stock_tokens, stock_logits), (tokens, logits) = stock_and_patched(model_type, run)
     assert tokens.shape[1] == prompt.shape[1] + 4
     assert torch.equal(tokens, stock_tokens)
     assert relative_error(logits, stock_logits) <= 1e-5

@@ -7,13 +7,16 @@ after us is one WARNING, told at the next import we hook, before anyone asks sta
 
 verl's module file comes from the verl 0.9.1 wheel on PyPI (``pip download --no-deps``, its hash
 checked), loaded under its own name from a package of empty ``__init__`` files: verl's code is
-never committed, and its whole import chain (ray, its own dependencies) is not needed. Each
+never committed, and its whole import chain (ray, its own dependencies) is not needed. Where the
+wheel cannot be fetched (no registry) these tests skip with the reason, except in CI (``CI=true``,
+which CI sets), where they fail. Each
 scenario runs in a fresh interpreter on the CPU stand-in; every scenario builds the same tiny
 models and runs one training step, so their op counts, logits and gradients compare.
 """
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -51,13 +54,28 @@ V4 = transformers.__version__.startswith("4.")
 def verl_site(tmp_path_factory):
     """A directory for PYTHONPATH where ``verl.models.transformers.npu_patch`` is verl 0.9.1's file."""
     wheels = tmp_path_factory.mktemp("verl-wheel")
-    download = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", wheels, VERL],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert download.returncode == 0, f"could not download {VERL} from PyPI:\n{download.stderr[-2000:]}"
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "-d",
+        wheels,
+        VERL,
+    ]
+    try:
+        download = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        failure = download.stderr.strip().splitlines()[-1:] if download.returncode else None
+    except subprocess.TimeoutExpired:
+        failure = ["no answer in 300 s"]
+    if failure is not None:
+        reason = f"could not download {VERL} from the package index: {' '.join(failure) or 'pip failed'}"
+        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail(f"{reason} (CI=true: CI has the index and must run these)")
+        pytest.skip(reason)  # a clone without a registry: said, not failed
     (wheel,) = wheels.glob("verl-0.9.1-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         source = archive.read(NPU_PATCH)

@@ -69,25 +69,44 @@ def _split_names(raw):
     return [part.strip().lower() for part in raw.split(",") if part.strip()]
 
 
-def _env_names(environ, name, valid, what, warn):
-    """A comma list from the environment, unknown names dropped with one warning.
+def _env_names(environ, name, valid):
+    """(the known names, the unknown ones in order) of a comma list from the environment.
 
     A value with no name in it ("", " ", ",") counts as unset, as an empty NPU_AUTOPATCH
     does: ``NPU_AUTOPATCH_MODELS=$MODELS`` with MODELS unset must not select nothing.
     """
     raw = environ.get(name)
-    if raw is None:
-        return None
-    names = _split_names(raw)
+    names = _split_names(raw) if raw is not None else []
     if not names:
-        return None
+        return None, []
     unknown = list(dict.fromkeys(n for n in names if n not in valid))
-    if unknown:
-        shown = ", ".join(echo(n) for n in unknown[:_ECHO_NAMES])
-        if len(unknown) > _ECHO_NAMES:
-            shown += f" and {len(unknown) - _ECHO_NAMES} more"
-        warn(f"ignoring unknown {what} in {name}: {shown}; valid {what}: {', '.join(valid)}")
-    return frozenset(n for n in names if n in valid)
+    return frozenset(n for n in names if n in valid), unknown
+
+
+def did_you_mean(name, valid):
+    """``did you mean 'qwen3'?`` for a wrong name near valid ones (a typo), "" for junk."""
+    if len(name) > _ECHO_LIMIT:  # junk, not a typo: not compared with every valid name
+        return ""
+    import difflib  # only once a name is wrong: it costs ~9 ms (re) at interpreter start
+
+    near = difflib.get_close_matches(name, valid, n=2)
+    return f"did you mean {' or '.join(map(repr, near))}?" if near else ""
+
+
+def _guessed(name, valid):
+    """``'qwen33' (did you mean 'qwen3'?)``: a wrong name echoed with the nearest valid ones."""
+    hint = did_you_mean(name, valid)
+    return f"{echo(name)} ({hint})" if hint else echo(name)
+
+
+def _unknown_names(name, unknown, valid, what, emptied):
+    """The one warning of a list variable with unknown names; ``emptied``: it named nothing else, and
+    the selection patches no model."""
+    shown = ", ".join(_guessed(n, valid) for n in unknown[:_ECHO_NAMES])
+    if len(unknown) > _ECHO_NAMES:
+        shown += f" and {len(unknown) - _ECHO_NAMES} more"
+    nothing = f"; {name} names no other {what}: no model will be patched" if emptied else ""
+    return f"ignoring unknown {what} in {name}: {shown}{nothing}; valid {what}: {', '.join(valid)}"
 
 
 def _arg_names(value, valid, what, argname):
@@ -96,7 +115,11 @@ def _arg_names(value, valid, what, argname):
     names = _split_names(value) if isinstance(value, str) else [str(v).strip().lower() for v in value]
     unknown = sorted(set(names) - set(valid))
     if unknown:
-        raise ValueError(f"enable({argname}=...): unknown {what} {unknown}; valid {what}: {', '.join(valid)}")
+        hints = [f"{n!r}: {hint}" for n in unknown if (hint := did_you_mean(n, valid))]
+        guesses = f" ({'; '.join(hints)})" if hints else ""
+        raise ValueError(
+            f"enable({argname}=...): unknown {what} {unknown}{guesses}; valid {what}: {', '.join(valid)}"
+        )
     return frozenset(names)
 
 
@@ -256,20 +279,51 @@ def resolve(
     ``discover``: the already resolved discover_wanted(); ``valid_models`` then includes the
     installed modeling modules' names that the caller found (see _discover.installed).
     ``switches``: the kernels' switches given to enable() (``loss=True``, ``step_aside=False``), see
-    opted_in().
+    opted_in(). ``warn`` is given one line per mistake in the environment, in the order of the
+    variables; a selection that patches no model says so once, on the line of the list variable that
+    named nothing known (a typo in NPU_AUTOPATCH_MODELS switches every model off), or on a line of its
+    own.
     """
     environ = os.environ if environ is None else environ
     valid_models = tuple(valid_models)
-    model_set = _arg_names(models, valid_models, "models", "models")
-    if model_set is None:
-        model_set = _env_names(environ, ENV_MODELS, valid_models, "models", warn)
-    exclude_set = _arg_names(exclude, valid_models, "models", "exclude")
-    if exclude_set is None:
-        exclude_set = _env_names(environ, ENV_EXCLUDE, valid_models, "models", warn) or frozenset()
-    kernel_set = _arg_names(kernels, SELECTABLE_KERNELS, "kernels", "kernels")
-    if kernel_set is None:
-        kernel_set = _env_names(environ, ENV_KERNELS, SELECTABLE_KERNELS, "kernels", warn)
+    wrong = []  # (variable, its unknown names, the valid ones, what they are, it named nothing known)
+
+    def chosen(value, argname, variable, valid, what):
+        names = _arg_names(value, valid, what, argname)
+        if names is None:
+            names, unknown = _env_names(environ, variable, valid)
+            if unknown:
+                wrong.append((variable, unknown, valid, what, names == frozenset() and argname != "exclude"))
+        return names
+
+    model_set = chosen(models, "models", ENV_MODELS, valid_models, "models")
+    exclude_set = chosen(exclude, "exclude", ENV_EXCLUDE, valid_models, "models") or frozenset()
+    kernel_set = chosen(kernels, "kernels", ENV_KERNELS, SELECTABLE_KERNELS, "kernels")
+    flags = []  # the boolean variables' mistakes, after the lists'
     if strict is None:
-        strict = env_flag(ENV_STRICT, warn, environ)
-    chosen = opted_in(switches, warn, environ)
-    return Config(model_set, exclude_set, kernel_set, bool(strict), bool(force), discover, chosen)
+        strict = env_flag(ENV_STRICT, flags.append, environ)
+    on = opted_in(switches, flags.append, environ)
+    config = Config(model_set, exclude_set, kernel_set, bool(strict), bool(force), discover, on)
+    nothing = patches_no_model(config)
+    for variable, unknown, valid, what, emptied in wrong:
+        warn(_unknown_names(variable, unknown, valid, what, emptied and nothing))
+    for line in flags:
+        warn(line)
+    if nothing and not any(emptied for *_, emptied in wrong):
+        warn(f"no model will be patched: {config!r} selects none of the known models")
+    return config
+
+
+def patches_no_model(config):
+    """Whether the selection leaves out every registered model (an entry its own switch selects, as
+    verl's step-aside, aside), so that nothing the user chose will be patched."""
+    if config.models is None and config.kernels is None and not config.exclude:
+        return False
+    if config.discover and config.models is not None and config.models - set(STATE.models):
+        return False  # a model type discovery will meet
+    for model_type, model in list(STATE.models.items()):
+        if config.wants(model_type) is not None or _selected_by_switch(model_type) is not None:
+            continue
+        if not model.targets or any(config.selects(t.kernel) for t in model.targets):
+            return False  # selected (a plugin's targets are known once its module is imported)
+    return True

@@ -87,8 +87,26 @@ def enable(
     transformers or torch_npu unless a modeling module is already imported. In strict mode
     a PatchError is raised after every hook is armed and every imported module was tried.
     """
+    mistakes: list[str] = []
+    config = _resolve(models, exclude, kernels, strict, force, discover, switches, mistakes.append)
+    for line in mistakes:  # one rank-0 WARNING per mistake in the environment's selection
+        _log.warning(line)
+    _apply(config)
+
+
+def selection_mistakes() -> list[str]:
+    """What enable() with no arguments would warn about the environment's selection, one line per
+    mistake (an unknown name, a selection that patches no model, a word that is no boolean): for
+    ``check``, which fails on them where a job would only warn. Applies nothing."""
+    mistakes: list[str] = []
+    _resolve(None, None, None, None, False, None, {}, mistakes.append)
+    return mistakes
+
+
+def _resolve(models, exclude, kernels, strict, force, discover, switches, warn):
+    """The selection enable() applies (``_config.resolve``), its mistakes given to ``warn``."""
     with locked:
-        discover = _config.discover_wanted(discover, _log.warning)
+        discover = _config.discover_wanted(discover, warn)
         unknown = _config.requested_models(models, exclude) - set(STATE.models)
         if unknown:
             from . import _plugins  # perhaps an installed plugin's model: look (rarely needed)
@@ -100,10 +118,9 @@ def enable(
             from . import _discover
 
             valid += sorted(_discover.installed(unknown))
-        config = _config.resolve(
-            models, exclude, kernels, strict, force, _log.warning, valid, discover=discover, **switches
+        return _config.resolve(
+            models, exclude, kernels, strict, force, warn, valid, discover=discover, **switches
         )
-    _apply(config)
 
 
 def _apply(config):
@@ -279,10 +296,17 @@ def _forget(model_type):
 def status() -> dict[str, PatchRecord]:
     """One record per known model type: state, reason code and text, kernels, targets, variants.
 
-    Cheap: no torch, no wrapt, no package metadata (installed plugins are listed once
-    transformers is imported, or by ``python -m npu_autopatch status``).
+    Cheap: no torch, no wrapt. Once patching is on, the installed plugins' models are listed too
+    (read from their entry points, once per process: tens of milliseconds, never at interpreter
+    start), before transformers is imported: a job asking whether its plugin's model will be patched
+    gets the answer. While patching is off nothing reads package metadata
+    (``python -m npu_autopatch status`` lists them all the same).
     """
     from ._records import live_records  # dataclasses and enum: only when asked
 
     with locked:
+        if STATE.enabled:
+            from . import _plugins
+
+            _plugins.discover()  # once per process
         return live_records()

@@ -130,7 +130,9 @@ def _conclude(model, module, config, plan):
     if isinstance(plan, _Failure):
         state = State.SKIPPED if isinstance(plan, _Skip) else State.FAILED
         verb = "skipped" if state is State.SKIPPED else "failed, left stock"
-        if plan.code is not ReasonCode.NO_NPU:  # that one was said once, for every model
+        # No NPU was said once, for every model; the kernels the user left out are their choice (a
+        # selection that patches no model is one warning when it is made, _config.resolve).
+        if plan.code not in (ReasonCode.NO_NPU, ReasonCode.NO_KERNEL_SELECTED):
             _log.warning(f"{model.model_type}: {verb}: {plan}")
         return _record(model, state, plan.code, str(plan))
     steps, stock = plan.steps, plan.stock

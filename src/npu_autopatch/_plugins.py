@@ -7,8 +7,9 @@ metadata: a plugin's own code is imported when its target module is imported, ne
 interpreter start. A plugin that fails to load is that one model failing.
 
 Discovery happens when the hooks are armed (transformers is imported), when a
-configuration names a model nobody has heard of yet, and in the CLI; never in status(),
-which must stay cheap (reading every distribution's metadata costs tens of milliseconds).
+configuration names a model nobody has heard of yet, in status() once patching is on, and in
+the CLI; never at interpreter start, which must stay cheap (reading every distribution's
+metadata costs tens of milliseconds).
 """
 
 from . import _log

@@ -8,7 +8,11 @@ from npu_autopatch.testing.parity import check_parity
 
 
 def test_the_plugin_is_discovered_from_its_entry_point():
-    assert npu_autopatch.status()["helium"].module == "transformers.models.helium.modeling_helium"
+    npu_autopatch.enable()  # as NPU_AUTOPATCH=1 does: status() then lists the installed plugins
+    try:
+        assert npu_autopatch.status()["helium"].module == "transformers.models.helium.modeling_helium"
+    finally:
+        npu_autopatch.disable()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .._candidates import Candidate, candidates, modeling_modules, probe
+from . import Parser, known
 
 DTYPES = ("float32", "bfloat16")
 _BATCH_DIRS = 12  # package directories per child process
@@ -566,7 +567,12 @@ def to_json(result: ScanResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m npu_autopatch scan``; exit status 1 if a model type with targets fails parity."""
-    parser = argparse.ArgumentParser(prog="python -m npu_autopatch scan", description=__doc__.splitlines()[0])
+    parser = Parser(
+        prog="python -m npu_autopatch scan",
+        description="Which code of the installed transformers the kernels reproduce: every modeling "
+        "module's candidate targets probed, then each model type's tiny model stock vs patched on the "
+        "CPU stand-in for torch_npu (no NPU used). Exit status 1 if a model type with targets fails.",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--dirs", help="comma list of transformers/models directories (default: all)")
     parser.add_argument("--dtype", default=",".join(DTYPES), help="comma list: float32,bfloat16")
@@ -575,10 +581,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folders", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     dtypes = tuple(d.strip() for d in args.dtype.split(",") if d.strip())
+    known(dtypes or ("",), DTYPES, "dtype")
     if args.worker:
         _worker(args.folders, dtypes, not args.no_parity)
         return 0
-    folders = [f.strip() for f in args.dirs.split(",")] if args.dirs else None
+    folders = [f.strip() for f in args.dirs.split(",") if f.strip()] if args.dirs else None
+    # A typo would scan nothing, and pass.
+    known(folders or (), modeling_modules(), "directory in transformers/models", listed=False)
     result = scan(folders, dtypes, not args.no_parity, progress=lambda m: print(m, file=sys.stderr))
     print(to_json(result) if args.json else markdown(result))
     return 1 if any(m.parity and not m.passed for m in result.models) else 0

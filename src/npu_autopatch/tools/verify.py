@@ -32,6 +32,7 @@ from .._records import PatchError
 from .._state import STATE
 from .._table import columns
 from ..models import INTEGRATIONS
+from . import UsageError, known
 
 DTYPES = ("float32", "bfloat16")
 
@@ -402,41 +403,48 @@ def _failed(cases: list[dict]) -> list[dict]:
     return [c for c in cases if c["status"] == "FAIL"]
 
 
+def verifiable() -> list[str]:
+    """The model types verify can check: the registry's models (the table's and the installed
+    plugins'), not the integrations (transformers' Ascend attention module, the default attention's
+    routing, verl's step-aside), which no tiny model of theirs proves."""
+    _control.discover_plugins()  # installed plugins are verified too
+    return [m for m in STATE.models if m not in INTEGRATIONS]
+
+
 def main(args) -> int:
     """The ``verify`` subcommand (arguments parsed in __main__)."""
-    _control.discover_plugins()  # installed plugins are verified too
-    known = list(STATE.models)  # the registry: the table and the plugins just discovered
-    models = args.models.split(",") if args.models else [m for m in known if m not in INTEGRATIONS]
-    unknown = [m for m in models if m not in known]
-    dtypes = args.dtype.split(",")
-    bad_dtypes = [d for d in dtypes if d not in DTYPES]
-    if unknown or bad_dtypes:
-        print(f"unknown models {unknown} or dtypes {bad_dtypes}; models: {', '.join(known)}", file=sys.stderr)
-        return 2
+    models = verifiable()
+    if args.models:
+        names = [m.strip() for m in args.models.split(",") if m.strip()]
+        for name in names:
+            if name in INTEGRATIONS:
+                raise UsageError(
+                    f"{name} is not verifiable: it is an integration, no model of its own (verify the "
+                    "models it serves)"
+                )
+        models = known(names, models, "model")
+    dtypes = known([d.strip() for d in args.dtype.split(",")], DTYPES, "dtype")
+    device = args.device or ("cpu" if args.simulate else "npu")
     if args.simulate:
         from ..testing import PROFILES, stand_in
 
-        if args.device != "cpu":
-            print("--simulate runs on the CPU stand-in: use --device cpu", file=sys.stderr)
-            return 2
+        if device != "cpu":
+            raise UsageError("--simulate runs on the CPU stand-in: leave out --device npu")
         profile = None if args.simulate is True else args.simulate
-        if profile is not None and profile not in PROFILES:
-            print(f"unknown stand-in profile {profile!r}; profiles: {', '.join(PROFILES)}", file=sys.stderr)
-            return 2
+        if profile is not None:
+            known([profile], PROFILES, "stand-in profile")
         provider = stand_in(profile=profile)
-    elif args.device != "npu":
-        print("the NPU kernels run on --device npu; --device cpu needs --simulate", file=sys.stderr)
-        return 2
+    elif device != "npu":
+        raise UsageError("the NPU kernels run on --device npu; --device cpu needs --simulate")
     else:
         npu, reason = _device.probe()
         if npu is None:
-            print(f"cannot verify: {reason}; try --device cpu --simulate", file=sys.stderr)
-            return 2
+            raise UsageError(f"cannot verify: {reason}; try --simulate (the CPU stand-in)")
         provider = contextlib.nullcontext(npu)
     selection = _control.selection()
     try:
         with provider as npu:
-            report = run(models, dtypes, args.device, npu, simulated=bool(args.simulate))
+            report = run(models, dtypes, device, npu, simulated=bool(args.simulate))
     finally:  # after the stand-in is gone: the selection is the user's, on their torch_npu
         _restore(selection)
     print(json.dumps(report, indent=2) if args.json else format_report(report))

@@ -37,13 +37,26 @@ from npu_autopatch.testing.parity import (
 from .conftest import FULL, every_variant, present, run_python, variant_users
 
 V4 = int(transformers.__version__.split(".")[0]) < 5
-KERNEL_NAMES = ("rms_norm", "gated_rms_norm", "swiglu", "rope")
+KERNEL_NAMES = ("rms_norm", "gated_rms_norm", "swiglu", "geglu", "rope")
 
 
-def calls(rms_norm=0, swiglu=0, rotary_mul=0):
+def calls(rms_norm=0, swiglu=0, rotary_mul=0, geglu=0):
     """Fused-op calls in one forward; the backward calls each op's backward as often."""
-    counts = {"npu_rms_norm": rms_norm, "npu_swiglu": swiglu, "npu_rotary_mul": rotary_mul}
+    counts = {
+        "npu_rms_norm": rms_norm,
+        "npu_swiglu": swiglu,
+        "npu_rotary_mul": rotary_mul,
+        "npu_geglu": geglu,
+    }
     return {op: n for op, n in counts.items() if n}
+
+
+# The backward op of each fused op, where it is not "<op>_backward" (derivatives.yaml).
+GRAD_OP = {"npu_geglu": "npu_geglu_grad"}
+
+
+def grad_op(op):
+    return GRAD_OP.get(op, op + "_backward")
 
 
 # Per tiny model (testing.tiny: two text layers, one of each kind; a one-block vision tower fed one
@@ -72,8 +85,11 @@ EXPECTED = {
     "qwen3_next": calls(rms_norm=8, swiglu=2 + (4 if V4 else 0), rotary_mul=2),
     "qwen3_5": calls(rms_norm=8, swiglu=2, rotary_mul=2 + 2),
     "qwen3_5_moe": calls(rms_norm=8, swiglu=2, rotary_mul=2 + 2),
-    # text 4 per layer + q/k + final, the projector's norm; a GELU MLP (no swiglu target)
-    "gemma3": calls(rms_norm=14, rotary_mul=4),
+    # text 4 per layer + q/k + final, the projector's norm; a gated GELU MLP per layer (npu_geglu)
+    "gemma3": calls(rms_norm=14, rotary_mul=4, geglu=2),
+    # --- issue 34: the Gemma family ---------------------------------------------------------
+    "gemma": calls(rms_norm=5, rotary_mul=4, geglu=2),
+    "gemma2": calls(rms_norm=9, rotary_mul=4, geglu=2),  # 4 norms per layer (pre and post) + final
     # --- issue 11 ---------------------------------------------------------------------------
     "qwen2_vl": calls(rms_norm=5, swiglu=2, rotary_mul=4 + 2),  # the tower: LayerNorm, GELU MLP
     # the thinker; 4.57's vision rotary (tensor, freqs) is left out
@@ -139,7 +155,7 @@ def assert_parity(report, model_type, ops=None):
     assert report.reason is None, report.reason  # a target refused by its probe would be named here
     for op, count in EXPECTED[model_type].items():
         assert ops.get(op) == count, (op, ops)
-        assert ops.get(op + "_backward") == backward_count(model_type, op), (op + "_backward", ops)
+        assert ops.get(grad_op(op)) == backward_count(model_type, op), (grad_op(op), ops)
     assert not report.missing_grads, f"no gradient reached {report.missing_grads}"
     assert not report.over_tolerance, (report.over_tolerance, report.logits_error, report.grad_error)
     assert report.passed
@@ -260,7 +276,7 @@ def test_patched_by_the_import_hook_matches_stock():
         assert report["reason"] is None, report["reason"]
         for op, count in EXPECTED[model].items():
             assert report["ops_called"].get(op) == count, (model, op, report["ops_called"])
-            assert report["ops_called"].get(op + "_backward") == backward_count(model, op), (model, op)
+            assert report["ops_called"].get(grad_op(op)) == backward_count(model, op), (model, op)
         assert not report["missing_grads"], (model, report["missing_grads"])
         assert report["passed"], (model, report)
 
@@ -318,23 +334,30 @@ def test_qwen2_5_vl_and_qwen2_share_one_norm_target_and_stay_correct(npu_stand_i
     assert torch.equal(forward_backward(model, input_ids, labels, **inputs)[0], stock[0])
 
 
-def test_a_gelu_mlp_has_no_swiglu_target_and_never_runs_the_kernel(npu_stand_in):
+def test_a_gelu_mlp_runs_npu_geglu_not_the_swiglu_kernel(npu_stand_in):
+    """Gemma3's MLP is gated GELU (gelu_pytorch_tanh): the table gives it geglu, never swiglu; a GELU
+    instance under the swiglu kernel (which its gate-up probe would accept: the layout is the same)
+    runs the stock code, and under geglu runs npu_geglu with the GELU on the gate (activate_left)."""
     from transformers.models.gemma3 import modeling_gemma3
 
-    assert "swiglu" not in MODELS["gemma3"].kernels
-    report = check_parity("gemma3", npu=npu_stand_in)
-    assert report.kernels == ("rms_norm", "rope") and "npu_swiglu" not in report.ops_called
-    # Gemma3MLP has the gated layout, so the gate-up probe (SiLU) accepts it; the activation is
-    # per instance, and a GELU instance runs the stock code.
+    assert "swiglu" not in MODELS["gemma3"].kernels and "geglu" in MODELS["gemma3"].kernels
     config = tiny_config("gemma3").get_text_config()
     assert config.hidden_activation == "gelu_pytorch_tanh"
     torch.manual_seed(0)
     mlp = modeling_gemma3.Gemma3MLP(config)
     stock = modeling_gemma3.Gemma3MLP.forward
-    variant, _ = choose_variant(KERNELS["swiglu"], stock)
     x = torch.randn(2, 3, config.hidden_size)
-    assert torch.equal(variant.build(stock, npu_stand_in, None)(mlp, x), stock(mlp, x))
+    swiglu, _ = choose_variant(KERNELS["swiglu"], stock)
+    assert torch.equal(swiglu.build(stock, npu_stand_in, None)(mlp, x), stock(mlp, x))
     assert npu_stand_in.calls["npu_swiglu"] == 0
+    geglu, _ = choose_variant(KERNELS["geglu"], stock)
+    got = geglu.build(stock, npu_stand_in, None)(mlp, x)
+    assert relative_error(got, stock(mlp, x)) < 1e-6
+    assert npu_stand_in.calls["npu_geglu"] == 1
+    # A SiLU instance of the same class is no GELU: stock, under geglu.
+    mlp.act_fn = torch.nn.SiLU()
+    assert torch.equal(geglu.build(stock, npu_stand_in, None)(mlp, x), stock(mlp, x))
+    assert npu_stand_in.calls["npu_geglu"] == 1
 
 
 def test_a_zero_centred_norm_is_never_given_the_llama_kernel(npu_stand_in, monkeypatch):
@@ -353,6 +376,8 @@ def test_a_zero_centred_norm_is_never_given_the_llama_kernel(npu_stand_in, monke
 
 ZERO_CENTRED = [
     ("gemma3", "Gemma3RMSNorm"),
+    ("gemma", "GemmaRMSNorm"),
+    ("gemma2", "Gemma2RMSNorm"),
     ("qwen3_next", "Qwen3NextRMSNorm"),
     ("qwen3_5", "Qwen3_5RMSNorm"),
     ("qwen3_5_moe", "Qwen3_5MoeRMSNorm"),

@@ -103,7 +103,7 @@ def not_a_known_gelu(module):
     if gelu_mode(module) is not None:
         return None
     act = getattr(module, "act", module)
-    name = getattr(act, "__qualname__", type(act).__name__)
+    name = getattr(act, "__name__", type(act).__name__)
     return f"{type(module).__name__} calls {name}, no GELU npu_gelu computes"
 
 

@@ -186,7 +186,7 @@ def _probe_geglu(stock, candidate):
 GEGLU = Kernel(
     "geglu",
     ("npu_geglu",),
-    (Variant("gate-up", _build_geglu, _probe_geglu),),
+    (Variant("gelu-gate-up", _build_geglu, _probe_geglu),),
     requires=geglu_requirement,
     report=Report(instance_stock=_gelu_stock),
 )

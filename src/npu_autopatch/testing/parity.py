@@ -282,9 +282,8 @@ def check_parity(
         module = STATE.models[model_type].module  # the registry: a registered model too
         if module in sys.modules:
             raise RuntimeError(f"lazy parity needs a process that has not imported {module}")
-        npu_autopatch.enable(
-            models=[model_type, *integrations], kernels=kernels
-        )  # the hook patches on import
+        # the hook patches the module on import
+        npu_autopatch.enable(models=[model_type, *integrations], kernels=kernels)
     model = tiny_model(model_type, dtype, **overrides).to(device)
     input_ids, labels, inputs = (_to(t, device) for t in model_batch(model, seed))
     # Counted from here: building the batch runs a vision tower once to size its placeholders.

@@ -125,12 +125,20 @@ def test_a_patched_mlp_instance_with_another_activation_is_reported_running_stoc
     assert ops["npu_swiglu"] == 1
 
 
-def test_an_untargeted_gelu_mlp_is_flagged_with_its_activation():
-    with stand_in():
+def test_gemmas_gelu_mlp_and_its_towers_activations_are_ours_and_a_silu_instance_is_flagged():
+    """Gemma3's gated GELU MLP runs geglu, its SigLIP tower's GELUTanh runs gelu (the activations entry);
+    an MLP instance given SiLU runs stock, flagged with its activation."""
+    with stand_in() as npu:
         npu_autopatch.enable()
-        report = npu_autopatch.report(tiny_model("gemma3"))
+        model = tiny_model("gemma3")
+        model.model.language_model.layers[1].mlp.act_fn = torch.nn.SiLU()
+        report = npu_autopatch.report(model)
+        ops = _forward_ops(model, npu)
+    assert _entry(report, "Gemma3MLP").origin == "ours" and _entry(report, "GELUTanh").origin == "ours"
     (flag,) = _flags(report, "stock", "Gemma3MLP")
-    assert "not one of its targets" in flag.message and "activation is GELUTanh, not SiLU" in flag.message
+    assert flag.instances == ["model.language_model.layers.1.mlp"]
+    assert "its activation is SiLU, not a GELU npu_geglu computes" in flag.message
+    assert ops["npu_geglu"] == 1 and ops["npu_gelu"] > 0  # the tower ran ours
     assert _entry(report, "Gemma3RMSNorm").origin == "ours"
 
 

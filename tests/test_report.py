@@ -142,6 +142,27 @@ def test_gemmas_gelu_mlp_and_its_towers_activations_are_ours_and_a_silu_instance
     assert _entry(report, "Gemma3RMSNorm").origin == "ours"
 
 
+def test_quick_gelu_the_release_cannot_train_is_flagged_gated_with_its_requirement():
+    """qwen2_vl's vision MLP calls transformers' QuickGELUActivation, a target of the activations entry:
+    on torch_npu 2.7.1 (op-plugin 7.2.0, no npu_fast_gelu backward) it runs stock, and report(model) says
+    why, from that entry's status()."""
+    with stand_in(profile="a2-2.7.1"):
+        npu_autopatch.enable()
+        report = npu_autopatch.report(tiny_model("qwen2_vl"))
+        npu_autopatch.disable()
+    assert _entry(report, "QuickGELUActivation").origin == "stock"
+    (flag,) = _flags(report, "gated", "QuickGELUActivation")
+    assert (
+        flag.code == "kernel-unsupported"
+        and "npu_fast_gelu has no backward before op-plugin 7.3.0" in flag.message
+    )
+    with stand_in():
+        npu_autopatch.enable()
+        report = npu_autopatch.report(tiny_model("qwen2_vl"))
+    assert _entry(report, "QuickGELUActivation").origin == "ours"
+    assert not _flags(report, None, "QuickGELUActivation")
+
+
 def test_a_kernel_left_out_by_enable_leaves_the_mlps_stock_with_the_reason():
     with stand_in() as npu:
         npu_autopatch.enable(kernels=["rms_norm", "rope"])

@@ -140,19 +140,21 @@ def _default_instance(stock):
         return None
 
 
-def _sample():
-    return randn(generator(), 2, 3, 16) * 3  # the tails too, where the tanh form and erf part
-
-
-def _probe_gelu(stock, candidate):
+def _agree_on_sample(stock, candidate, module):
+    """None when ``stock`` (a ``forward(self, input)``) and the candidate agree on ``module`` over a
+    sample reaching GELU's tails (where the tanh form and erf part), else why not."""
     reason = one_input(stock)
     if reason is not None:
         return reason
+    x = randn(generator(), 2, 3, 16) * 3
+    return agree_strict(lambda: stock(module, x), lambda: candidate(module, x))
+
+
+def _probe_gelu(stock, candidate):
     module = _default_instance(stock)
     if module is None or gelu_mode(module) is None:
         return f"{getattr(stock, '__qualname__', stock)} is not a GELU class this kernel knows"
-    x = _sample()
-    return agree_strict(lambda: stock(module, x), lambda: candidate(module, x))
+    return _agree_on_sample(stock, candidate, module)
 
 
 GELU = Kernel(
@@ -180,11 +182,7 @@ def _build_quick(stock, npu, on_error):
 
 
 def _probe_quick(stock, candidate):
-    reason = one_input(stock)
-    if reason is not None:
-        return reason
-    module, x = instance(stock), _sample()
-    return agree_strict(lambda: stock(module, x), lambda: candidate(module, x))
+    return _agree_on_sample(stock, candidate, instance(stock))
 
 
 QUICK_GELU = Kernel(

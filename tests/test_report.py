@@ -125,13 +125,42 @@ def test_a_patched_mlp_instance_with_another_activation_is_reported_running_stoc
     assert ops["npu_swiglu"] == 1
 
 
-def test_an_untargeted_gelu_mlp_is_flagged_with_its_activation():
+def test_gemmas_gelu_mlp_and_its_towers_activations_are_ours_and_a_silu_instance_is_flagged():
+    """Gemma3's gated GELU MLP runs geglu, its SigLIP tower's GELUTanh runs gelu (the activations entry);
+    an MLP instance given SiLU runs stock, flagged with its activation."""
+    with stand_in() as npu:
+        npu_autopatch.enable()
+        model = tiny_model("gemma3")
+        model.model.language_model.layers[1].mlp.act_fn = torch.nn.SiLU()
+        report = npu_autopatch.report(model)
+        ops = _forward_ops(model, npu)
+    assert _entry(report, "Gemma3MLP").origin == "ours" and _entry(report, "GELUTanh").origin == "ours"
+    (flag,) = _flags(report, "stock", "Gemma3MLP")
+    assert flag.instances == ["model.language_model.layers.1.mlp"]
+    assert "its activation is SiLU, not a GELU npu_geglu computes" in flag.message
+    assert ops["npu_geglu"] == 1 and ops["npu_gelu"] > 0  # the tower ran ours
+    assert _entry(report, "Gemma3RMSNorm").origin == "ours"
+
+
+def test_quick_gelu_the_release_cannot_train_is_flagged_gated_with_its_requirement():
+    """qwen2_vl's vision MLP calls transformers' QuickGELUActivation, a target of the activations entry:
+    on torch_npu 2.7.1 (op-plugin 7.2.0, no npu_fast_gelu backward) it runs stock, and report(model) says
+    why, from that entry's status()."""
+    with stand_in(profile="a2-2.7.1"):
+        npu_autopatch.enable()
+        report = npu_autopatch.report(tiny_model("qwen2_vl"))
+        npu_autopatch.disable()
+    assert _entry(report, "QuickGELUActivation").origin == "stock"
+    (flag,) = _flags(report, "gated", "QuickGELUActivation")
+    assert (
+        flag.code == "kernel-unsupported"
+        and "npu_fast_gelu has no backward before op-plugin 7.3.0" in flag.message
+    )
     with stand_in():
         npu_autopatch.enable()
-        report = npu_autopatch.report(tiny_model("gemma3"))
-    (flag,) = _flags(report, "stock", "Gemma3MLP")
-    assert "not one of its targets" in flag.message and "activation is GELUTanh, not SiLU" in flag.message
-    assert _entry(report, "Gemma3RMSNorm").origin == "ours"
+        report = npu_autopatch.report(tiny_model("qwen2_vl"))
+    assert _entry(report, "QuickGELUActivation").origin == "ours"
+    assert not _flags(report, None, "QuickGELUActivation")
 
 
 def test_a_kernel_left_out_by_enable_leaves_the_mlps_stock_with_the_reason():

@@ -4,6 +4,9 @@ import pytest
 
 from npu_autopatch.kernels import KERNELS
 from npu_autopatch.kernels._requirements import (
+    fast_gelu_requirement,
+    geglu_requirement,
+    gelu_requirement,
     moe_requirement,
     op_plugin_line,
     rotary_mode_requirement,
@@ -103,9 +106,34 @@ def test_swiglu_needs_op_plugin_6():
     assert reason.startswith("npu_swiglu arrived in op-plugin 6.0 (torch_npu 2.1.0 has op-plugin 5.0.0)")
 
 
+def test_the_gelu_family_needs_its_op_plugin_lines():
+    """npu_gelu and npu_geglu's activate_left from 6.0; npu_fast_gelu's backward from 7.3.0, on A2/A3."""
+    assert gelu_requirement(module_with_version("2.1.0.post10")) is None
+    assert "npu_gelu and its backward arrived in op-plugin 6.0.0 (torch_npu 2.1.0 has op-plugin 5.0.0)" in (
+        gelu_requirement(module_with_version("2.1.0"))
+    )
+    assert geglu_requirement(module_with_version("2.2.0")) is None
+    assert geglu_requirement(module_with_version("custom-build")) is None  # its schema has activate_left
+    assert "npu_geglu has no activate_left before op-plugin 6.0" in geglu_requirement(
+        module_with_version("2.1.0")
+    )
+    for version in ("2.9.0", "2.8.0.post2", "2.7.1.post2", "2.6.0.post5", "2.14.0"):
+        assert fast_gelu_requirement(module_with_version(version)) is None, version
+    for version in ("2.8.0", "2.7.1", "2.6.0.post4", "2.1.0.post17"):
+        reason = fast_gelu_requirement(module_with_version(version))
+        assert reason.startswith("npu_fast_gelu has no backward before op-plugin 7.3.0"), reason
+        assert "quick GELU would get no gradient; needs torch_npu >= 2.9.0" in reason
+    # The release has it, the device computes another formula or is not documented: stock.
+    reason = fast_gelu_requirement(make_torch_npu(profile="950-newest"))
+    assert reason.endswith("on Atlas A2 and A3 only (torch_npu-npu_fast_gelu.md); this device is Ascend950")
+
+
 def test_the_built_in_kernels_declare_their_requirements():
     assert KERNELS["moe"].requires is moe_requirement
     assert KERNELS["swiglu"].requires is swiglu_requirement
+    assert KERNELS["geglu"].requires is geglu_requirement
+    assert KERNELS["gelu"].requires is gelu_requirement
+    assert KERNELS["quick_gelu"].requires is fast_gelu_requirement
     assert all(KERNELS[name].requires is None for name in ("rms_norm", "gated_rms_norm", "rope"))
 
 
@@ -115,6 +143,8 @@ def test_each_stand_in_profile_is_gated_as_its_release(profile):
     assert npu.__version__ == PROFILES[profile].torch_npu
     assert rotary_mode_requirement(npu) is None
     assert (moe_requirement(npu) is None) == (profile != "a2-2.6.0")
+    assert gelu_requirement(npu) is None and geglu_requirement(npu) is None
+    assert (fast_gelu_requirement(npu) is None) == (profile == "a2-newest")
 
 
 @pytest.mark.parametrize(
@@ -128,3 +158,6 @@ def test_an_unreadable_version_asks_the_dispatcher(profile, gated):
     if gated:
         assert "version unreadable; its npu_moe_token_permute has no autograd kernel" in reason
     assert rotary_mode_requirement(npu) is None  # every profile's schema has rotary_mode
+    assert gelu_requirement(npu) is None  # every profile registers npu_gelu's backward
+    # npu_fast_gelu's backward: registered on the newest profile only (derivatives.yaml 7.3.0 on)
+    assert (fast_gelu_requirement(npu) is None) == (profile == "a2-newest")

@@ -152,6 +152,14 @@ SCHEMAS = [
     "npu_moe_token_unpermute_grad_v2(Tensor grad_unpermuted_tokens, Tensor sorted_indices, "
     "int permuted_tokens_size_0, ScalarType permuted_tokens_dtype, Tensor? probs=None, "
     "bool padded_mode=False, int[]? restore_shape=None, Tensor? permuted_tokens=None)",
+    # The GELU family: op-plugin master's op_plugin_functions.yaml (the wheel's registered names unread).
+    "npu_gelu(Tensor self, *, str approximate='none')",
+    "npu_gelu_backward(Tensor grad_output, Tensor self, *, str approximate='none')",
+    "npu_fast_gelu(Tensor self)",
+    "npu_fast_gelu_backward(Tensor grad, Tensor self)",
+    "npu_geglu(Tensor self, int dim=-1, int approximate=1, bool activate_left=False)",
+    "npu_geglu_grad(Tensor grad_output, Tensor self, Tensor gelu, int dim=-1, int approximate=1, "
+    "bool activate_left=False)",
 ]
 
 

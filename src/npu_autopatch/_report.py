@@ -238,6 +238,14 @@ def report(model) -> CoverageReport:
     relevant = {k: r for k, r in records.items() if r.module in modeling}
     unpatched = []  # (subject, module name, path, code, kind): code no kernel of ours runs
     for (cls, instances), entry in zip(groups.items(), modules, strict=True):
+        if entry.origin == STOCK and entry.runs.get(STOCK) and cls.__module__ not in modeling:
+            # a shared module's class an entry that is no model type left stock (transformers.activations)
+            where = f"{cls.__module__}:{cls.__qualname__}.forward"
+            if any(where in record.stock_reasons for record in records.values()):
+                module = sys.modules[cls.__module__]
+                path = f"{cls.__qualname__}.forward"
+                flags.append(stock_flag(cls.__qualname__, where, module, path, None, records, hooks))
+                continue
         if entry.kind is None or entry.origin == OURS:
             continue
         if delegates(hooks, entry.kind, instances[0][1]):

@@ -131,13 +131,30 @@ _TABLE = {
             Target("loss", "Qwen3_5MoeForConditionalGeneration.forward"),
             since="5.2",
         ),
-        # Gemma3's MLP is GELU (gelu_pytorch_tanh), which no SiLU kernel reproduces: no swiglu target.
+        # Gemma's MLPs are gated GELU (gelu_pytorch_tanh): npu_geglu (kernels/mlp.py, geglu).
         Model(
             "gemma3",
             Target("rms_norm", "Gemma3RMSNorm.forward"),
+            Target("geglu", "Gemma3MLP.forward"),
             Target("rope", "apply_rotary_pos_emb"),
             Target("loss", "Gemma3ForCausalLM.forward"),
             Target("loss", "Gemma3ForConditionalGeneration.forward"),
+        ),
+        # --- issue 34: the Gemma family (gemma3n is not here: its text MLP sparsifies the gate of its
+        # first layers with a Gaussian top-k before the GELU, which npu_geglu does not) ---
+        Model(
+            "gemma",
+            Target("rms_norm", "GemmaRMSNorm.forward"),  # zero-centred: (1 + weight)
+            Target("geglu", "GemmaMLP.forward"),
+            Target("rope", "apply_rotary_pos_emb"),
+            Target("loss", "GemmaForCausalLM.forward"),
+        ),
+        # Gemma2ForCausalLM softcaps the final logits, which the loss kernel's probe refuses: no loss target.
+        Model(
+            "gemma2",
+            Target("rms_norm", "Gemma2RMSNorm.forward"),
+            Target("geglu", "Gemma2MLP.forward"),
+            Target("rope", "apply_rotary_pos_emb"),
         ),
         # --- issue 11: the models NPU users train (tests/test_parity_models.py lists why each
         # target is or is not there; the scan, python -m npu_autopatch scan, lists the rest) ---
@@ -314,6 +331,18 @@ _TABLE = {
             Target("default_attention", "PreTrainedModel.get_correct_attn_implementation"),
             module="transformers.modeling_utils",
         ),
+        # Not a model type: transformers' activation classes, which every model's ACT2FN[config.hidden_act]
+        # instantiates (kernels/activations.py): the GELU forms on npu_gelu (exact GELU honoured, which
+        # aten's gelu on the NPU is not), quick GELU on npu_fast_gelu where it has a backward.
+        Model(
+            "activations",
+            Target("gelu", "GELUActivation.forward"),  # "gelu", "gelu_python"
+            Target("gelu", "GELUTanh.forward"),  # "gelu_pytorch_tanh", "gelu_python_tanh"
+            Target("gelu", "NewGELUActivation.forward"),  # "gelu_new"
+            Target("gelu", "FastGELUActivation.forward"),  # "gelu_fast"
+            Target("quick_gelu", "QuickGELUActivation.forward"),  # "quick_gelu"
+            module="transformers.activations",
+        ),
         # Not a model type: verl's own NPU patch, which would replace our kernels in the nine model
         # types it covers; it steps aside for the ones we patch (integrations/verl.py). Its module is
         # whichever module of verl defines apply_npu_patches, wherever verl moves it.
@@ -327,6 +356,6 @@ MODELS = _READ_ONLY(_TABLE)
 BUILTIN = tuple(MODELS)
 # The entries that are no model type: a module every model calls (no tiny model, no modeling module).
 INTEGRATIONS = frozenset(
-    {"npu_flash_attention", "flash_attention_utils", "default_attention", "verl_npu_patch"}
+    {"npu_flash_attention", "flash_attention_utils", "default_attention", "activations", "verl_npu_patch"}
 )
 MODEL_TYPES = tuple(name for name in BUILTIN if name not in INTEGRATIONS)

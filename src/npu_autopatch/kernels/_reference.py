@@ -28,6 +28,40 @@ def npu_swiglu(input, dim=-1):
     return (torch.nn.functional.silu(a) * b).to(input.dtype)
 
 
+# torch's own GELU, not ``torch.nn.functional.gelu``: the stand-in may model the device's aten gelu
+# there (testing/device/gelu.py), and the reference is the math the op computes, not the device's aten.
+_gelu = torch._C._nn.gelu
+
+
+def npu_gelu(input, approximate="none"):
+    """GELU with ``approximate`` honoured ('none': erf, 'tanh'), in fp32, cast to input's dtype
+    (aclnnGeluV2; op-plugin test_npu_gelu.py's golden is torch's gelu with the same argument)."""
+    return _gelu(input.float(), approximate=approximate).to(input.dtype)
+
+
+def npu_fast_gelu(input):
+    """x / (1 + exp(-1.702 x)) in fp32, cast to input's dtype: the Atlas A2/A3 formula of
+    torch_npu-npu_fast_gelu.md (the Atlas training and inference series compute another)."""
+    x = input.float()
+    return (x * torch.sigmoid(1.702 * x)).to(input.dtype)
+
+
+def geglu_halves(input, dim, activate_left):
+    """(gate, x) of a GeGLU input in fp32: the GELU takes the left half with ``activate_left``, else
+    the right one."""
+    left, right = input.float().chunk(2, dim)
+    return (left, right) if activate_left else (right, left)
+
+
+def npu_geglu(input, dim=-1, approximate=1, activate_left=False):
+    """(x * gelu(gate), gelu(gate)), both in input's dtype; approximate 1 = tanh, 0 = erf. fp32 inside,
+    one cast at the end (hicann/ops-nn activation/ge_glu_v2 tests/assets/golden.py, whose fp16 with
+    tanh stays in fp16: not modelled, no kernel calls it in fp16)."""
+    gate, x = geglu_halves(input, dim, activate_left)
+    gelu = _gelu(gate, approximate="tanh" if approximate == 1 else "none")
+    return (x * gelu).to(input.dtype), gelu.to(input.dtype)
+
+
 def rotate_by_mode(x, rotary_mode):
     """'half': cat(-x2, x1) over the two halves; 'interleave': (x0, x1) -> (-x1, x0) per pair."""
     if rotary_mode == "half":

@@ -154,6 +154,88 @@ def swiglu_requirement(npu):
     )
 
 
+def gelu_requirement(npu):
+    """None if torch_npu has npu_gelu with ``approximate`` and its backward, else why not.
+
+    Both arrived in op-plugin 6.0.0 (op_plugin_functions.yaml ``npu_gelu(Tensor self, *, str
+    approximate='none')`` and derivatives.yaml ``npu_gelu_backward``, ``version: [v2.1, newest]``); the
+    5.0.0 and 6.0.rc* branches have neither (the patcher's check that the op exists refuses those).
+    """
+    version = getattr(npu, "__version__", None)
+    line = op_plugin_line(version)
+    if line is None:
+        if _has_autograd(npu, "npu_gelu"):
+            return None
+        have = f"torch_npu {version!r} (version unreadable; its npu_gelu has no autograd kernel)"
+    elif line >= (6, 0):
+        return None
+    else:
+        have = f"torch_npu {version} has op-plugin {_name(line)}"
+    return (
+        f"npu_gelu and its backward arrived in op-plugin 6.0.0 ({have}); needs a torch_npu built on it "
+        "or later"
+    )
+
+
+def geglu_requirement(npu):
+    """None if torch_npu's npu_geglu takes ``activate_left`` (HF's act(gate) * up puts the GELU on the left
+    half), else why not. op-plugin 6.0.rc1 added it to npu_geglu and npu_geglu_grad
+    (op_plugin_functions.yaml; 5.0.0's schema is ``npu_geglu(Tensor self, int dim=-1, int approximate=1)``);
+    derivatives.yaml joins npu_geglu to npu_geglu_grad in every branch."""
+    version = getattr(npu, "__version__", None)
+    line = op_plugin_line(version)
+    if line is None:
+        schema = _schema(npu, "npu_geglu")
+        if schema is None or any(argument.name == "activate_left" for argument in schema.arguments):
+            return None  # a plain function (the probes' reference ops), or the argument is there
+        have = f"torch_npu {version!r} (version unreadable; no activate_left in its npu_geglu)"
+    elif line >= (6, 0):
+        return None
+    else:
+        have = f"torch_npu {version} has op-plugin {_name(line)}"
+    return (
+        f"npu_geglu has no activate_left before op-plugin 6.0 ({have}); needs torch_npu >= 2.2.0 "
+        "(on the 2.1 line: 2.1.0.post4)"
+    )
+
+
+# The device families whose npu_fast_gelu computes x / (1 + exp(-1.702 x)), quick GELU, as the SoC name
+# starts: Atlas A2 (Ascend910B*) and A3 (Ascend910_93*) (torch_npu-npu_fast_gelu.md, every branch from
+# 7.1.0 to master: the Atlas training and inference series compute another formula; the Ascend 950 is
+# not among the products the doc lists).
+FAST_GELU_FAMILIES = ("Ascend910B", "Ascend910_93")
+
+
+def fast_gelu_requirement(npu):
+    """None if npu_fast_gelu has its backward on this torch_npu and computes quick GELU on this device.
+
+    derivatives.yaml joins npu_fast_gelu to npu_fast_gelu_backward from op-plugin 7.3.0 (before, only
+    the beta ``fast_gelu``, fp16/fp32 only, has an entry, and npu_fast_gelu would give no gradient).
+    """
+    version = getattr(npu, "__version__", None)
+    line = op_plugin_line(version)
+    if line is None:
+        if not _has_autograd(npu, "npu_fast_gelu"):
+            have = f"torch_npu {version!r} (version unreadable; its npu_fast_gelu has no autograd kernel)"
+            return _fast_gelu_release_reason(have)
+    elif line < (7, 3):
+        return _fast_gelu_release_reason(f"torch_npu {version} has op-plugin {_name(line)}")
+    soc = device_family(npu)
+    if soc is not None and soc.startswith(FAST_GELU_FAMILIES):
+        return None
+    return (
+        "npu_fast_gelu computes x / (1 + exp(-1.702 x)) on Atlas A2 and A3 only "
+        f"(torch_npu-npu_fast_gelu.md); this device is {soc or 'of a family whose SoC name is unreadable'}"
+    )
+
+
+def _fast_gelu_release_reason(have):
+    return (
+        f"npu_fast_gelu has no backward before op-plugin 7.3.0 ({have}): quick GELU would get no gradient; "
+        "needs torch_npu >= 2.9.0 (on older PyTorch lines: 2.8.0.post2, 2.7.1.post2, 2.6.0.post5)"
+    )
+
+
 # The device families whose npu_fusion_attention forward hands ``sink`` to the kernel, as the SoC
 # name torch.npu.get_device_name(0) starts: the ones the sources were read for and the stand-in
 # models (Atlas A2). Not the Ascend 950 (sink_requirement); any other family is unverified.

@@ -1,4 +1,4 @@
-"""Gated SiLU MLP on ``npu_swiglu``.
+"""Gated MLPs: SiLU on ``npu_swiglu``, GELU (Gemma's) on ``npu_geglu``.
 
 npu_swiglu(x) = silu(first half of x) * second half, fp32 inside. Two layouts of the same math:
 
@@ -18,7 +18,8 @@ import torch
 from .._types import Kernel, Pattern, Report, Variant
 from ._calls import counters
 from ._probe import agree_strict, generator, instance, linear, randn, with_stock_names
-from ._requirements import swiglu_requirement
+from ._requirements import geglu_requirement, swiglu_requirement
+from .activations import gelu_mode, gelu_modes
 
 
 def _silu_types():
@@ -128,4 +129,64 @@ SWIGLU = Kernel(
             not_named=r"Experts|(SparseMoeBlock|SparseMoE|MoE|Moe|MoEBlock|MoeBlock)$",
         ),
     ),
+)
+
+
+# npu_geglu's ``approximate``: 1 = tanh, 0 = erf (aclnnGeGluV3, hicann/ops-nn ge_glu_v2 docs and golden).
+_GEGLU_APPROXIMATE = {"tanh": 1, "none": 0}
+
+
+def _gelu_stock(instance):
+    """For report(): why a gated MLP instance runs the stock code (its activation is no GELU), else None."""
+    act = getattr(instance, "act_fn", None)
+    if act is None or gelu_mode(act) is not None:
+        return None
+    return f"its activation is {type(act).__name__}, not a GELU npu_geglu computes"
+
+
+def _build_geglu(stock, npu, on_error):
+    """down_proj(act_fn(gate_proj(x)) * up_proj(x)) as npu_geglu on [gate, up]: with activate_left=True the
+    GELU takes the left half, the gate (default False would take the right one, the up projection)."""
+    modes = gelu_modes()
+    cat = torch.cat
+    count_fused, count_stock = counters(on_error)
+
+    def forward(self, x):
+        mode = gelu_mode(self.act_fn, modes)
+        if mode is None:
+            count_stock(lambda: f"activation {type(self.act_fn).__name__}", x)
+            return stock(self, x)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        try:
+            hidden, _gelu = npu.npu_geglu(
+                cat((gate, up), dim=-1), dim=-1, approximate=_GEGLU_APPROXIMATE[mode], activate_left=True
+            )
+        except Exception as exc:
+            on_error(exc, x)
+            return stock(self, x)
+        count_fused()
+        return self.down_proj(hidden)
+
+    return with_stock_names(forward, stock)
+
+
+def _probe_geglu(stock, candidate):
+    gen = generator()
+    mlp = instance(
+        stock,
+        gate_proj=linear(gen, 16, 24),
+        up_proj=linear(gen, 16, 24),
+        down_proj=linear(gen, 24, 16),
+        act_fn=torch.nn.GELU(approximate="tanh"),
+    )
+    x = randn(gen, 2, 3, 16) * 3
+    return agree_strict(lambda: stock(mlp, x), lambda: candidate(mlp, x))
+
+
+GEGLU = Kernel(
+    "geglu",
+    ("npu_geglu",),
+    (Variant("gelu-gate-up", _build_geglu, _probe_geglu),),
+    requires=geglu_requirement,
+    report=Report(instance_stock=_gelu_stock),
 )

@@ -261,6 +261,7 @@ def check_parity(
     kernels: Sequence[str] | None = None,
     device: str = "cpu",
     seed: int = 1,
+    integrations: Sequence[str] = (),
     **overrides,
 ) -> ParityReport:
     """Stock vs patched for one model, in one process; patching is left disabled.
@@ -271,7 +272,8 @@ def check_parity(
     process that has not imported that module yet. ``npu`` is the torch_npu module whose
     ``calls`` counter (the stand-in has one) tells which ops ran. ``kernels`` selects kernels
     as ``enable()`` does (default: all); ``seed`` draws the batch; ``overrides`` replace fields of
-    the tiny (text) config.
+    the tiny (text) config; ``integrations``: table entries that are no model type patched beside it
+    (``activations``: the activation classes every model instantiates).
     """
     if npu_autopatch.is_enabled():
         npu_autopatch.disable()
@@ -280,7 +282,8 @@ def check_parity(
         module = STATE.models[model_type].module  # the registry: a registered model too
         if module in sys.modules:
             raise RuntimeError(f"lazy parity needs a process that has not imported {module}")
-        npu_autopatch.enable(models=[model_type], kernels=kernels)  # the hook patches the module on import
+        # the hook patches the module on import
+        npu_autopatch.enable(models=[model_type, *integrations], kernels=kernels)
     model = tiny_model(model_type, dtype, **overrides).to(device)
     input_ids, labels, inputs = (_to(t, device) for t in model_batch(model, seed))
     # Counted from here: building the batch runs a vision tower once to size its placeholders.
@@ -288,7 +291,7 @@ def check_parity(
     if not lazy:
         stock, stock_seconds = _timed(device, forward_backward, model, input_ids, labels, **inputs)
         # Patches the imported module at once; the model, built before, gets the kernels too.
-        npu_autopatch.enable(models=[model_type], kernels=kernels)
+        npu_autopatch.enable(models=[model_type, *integrations], kernels=kernels)
     try:
         record = npu_autopatch.status()[model_type]
         patched, patched_seconds = _timed(device, forward_backward, model, input_ids, labels, **inputs)

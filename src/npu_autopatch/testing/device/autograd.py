@@ -44,6 +44,42 @@ def _swiglu(grad_op: Callable[..., Any], backward_name: str) -> Formula:
     return setup, backward
 
 
+def _gelu(grad_op: Callable[..., Any], backward_name: str) -> Formula:
+    def setup(ctx: Any, inputs: tuple, output: torch.Tensor, keyword_only_inputs: dict) -> None:
+        ctx.save_for_backward(inputs[0])
+        ctx.approximate = keyword_only_inputs["approximate"]  # keyword-only in the schema
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (x,) = ctx.saved_tensors
+        return (grad_op(grad, x, approximate=ctx.approximate),)
+
+    return setup, backward
+
+
+def _fast_gelu(grad_op: Callable[..., Any], backward_name: str) -> Formula:
+    def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (x,) = ctx.saved_tensors
+        return (grad_op(grad, x),)
+
+    return setup, backward
+
+
+def _geglu(grad_op: Callable[..., Any], backward_name: str) -> Formula:
+    def setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.save_for_backward(inputs[0], output[1])  # derivatives.yaml passes result1, the gelu
+        ctx.mark_non_differentiable(output[1])  # output_differentiability [true, false]
+        ctx.options = inputs[1:]
+
+    def backward(ctx: Any, grad: torch.Tensor, _dgelu: Any) -> tuple:
+        x, gelu = ctx.saved_tensors
+        return grad_op(grad, x, gelu, *ctx.options), None, None, None
+
+    return setup, backward
+
+
 def _rotary_mul(grad_op: Callable[..., Any], backward_name: str) -> Formula:
     def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         x, r1, r2, mode = inputs[:4]
@@ -154,6 +190,9 @@ FORMULAS: dict[str, Callable[[Callable[..., Any], str], Formula]] = {
     "npu_rms_norm": _rms_norm,
     "npu_swiglu": _swiglu,
     "npu_rotary_mul": _rotary_mul,
+    "npu_gelu": _gelu,
+    "npu_fast_gelu": _fast_gelu,
+    "npu_geglu": _geglu,
     "npu_fusion_attention": _fusion_attention,
     "npu_moe_token_permute": _permute,
     "npu_moe_token_unpermute": _unpermute,

@@ -134,6 +134,90 @@ def swiglu_backward(profile: Profile, grad_output: Tensor, input: Tensor, dim: i
 
 
 # ----------------------------------------------------------------------------------------------------
+# The GELU family (issue 34): npu_gelu, npu_fast_gelu, npu_geglu and their backward ops
+# ----------------------------------------------------------------------------------------------------
+
+_GELU_MODES = ("none", "tanh")
+
+
+def _check_elementwise(name: str, x: Tensor) -> None:
+    # torch_npu-npu_gelu.md / torch_npu-npu_fast_gelu.md: Atlas A2 takes fp16, bf16 and fp32, up to 8-D.
+    check(x.dtype in FLOATS, f"{name}: unsupported dtype {x.dtype}")
+    check(x.dim() <= 8, f"{name}: input must be at most 8-D, got {x.dim()}-D")
+
+
+def gelu(profile: Profile, input: Tensor, approximate: str = "none") -> Tensor:
+    _check_elementwise("npu_gelu", input)
+    check(approximate in _GELU_MODES, f"npu_gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return _reference.npu_gelu(input, approximate)
+
+
+def gelu_backward(profile: Profile, grad_output: Tensor, input: Tensor, approximate: str = "none") -> Tensor:
+    """aten's gelu_backward with the same ``approximate`` (op-plugin test_npu_gelu_backward.py golden), in
+    fp32."""
+    _check_elementwise("npu_gelu_backward", input)
+    check(approximate in _GELU_MODES, f"npu_gelu_backward: approximate {approximate!r}")
+    dtype = torch.result_type(grad_output, input)
+    return torch.ops.aten.gelu_backward(grad_output.float(), input.float(), approximate=approximate).to(dtype)
+
+
+def fast_gelu(profile: Profile, input: Tensor) -> Tensor:
+    _check_elementwise("npu_fast_gelu", input)
+    return _reference.npu_fast_gelu(input)
+
+
+def fast_gelu_backward(profile: Profile, grad: Tensor, input: Tensor) -> Tensor:
+    """d/dx of x * sigmoid(1.702 x), fp32 inside (the A2/A3 formula's derivative)."""
+    _check_elementwise("npu_fast_gelu_backward", input)
+    x = input.float()
+    s = torch.sigmoid(1.702 * x)
+    return (grad.float() * (s + 1.702 * x * s * (1 - s))).to(torch.result_type(grad, input))
+
+
+def _check_geglu(name: str, x: Tensor, dim: int, approximate: int) -> None:
+    # GeGluKernelNpuOpApi.cpp: dim in range; aclnnGeGluV3 (hicann/ops-nn ge_glu_v2 docs): fp16/bf16/fp32,
+    # 0-8-D, the dim's size even; approximate 0 (none) or 1 (tanh).
+    check(x.dtype in FLOATS, f"{name}: unsupported dtype {x.dtype}")
+    check(x.dim() <= 8, f"{name}: input must be at most 8-D, got {x.dim()}-D")
+    rank = max(x.dim(), 1)
+    check(-rank <= dim < rank, f"{name}: dim {dim} out of range for a {x.dim()}-D input")
+    check(x.shape[dim] % 2 == 0, f"{name}: size {x.shape[dim]} along dim {dim} must be even")
+    check(approximate in (0, 1), f"{name}: approximate must be 0 (none) or 1 (tanh), got {approximate}")
+
+
+def geglu(
+    profile: Profile, input: Tensor, dim: int = -1, approximate: int = 1, activate_left: bool = False
+) -> tuple[Tensor, Tensor]:
+    _check_geglu("npu_geglu", input, dim, approximate)
+    return _reference.npu_geglu(input, dim, approximate, activate_left)
+
+
+def geglu_grad(
+    profile: Profile,
+    grad_output: Tensor,
+    input: Tensor,
+    gelu: Tensor,
+    dim: int = -1,
+    approximate: int = 1,
+    activate_left: bool = False,
+) -> Tensor:
+    """d(x * gelu(gate)) in input's dtype, the halves in input's order; the x half from the saved ``gelu``
+    (derivatives.yaml passes result1), the gate half through aten's gelu_backward. fp32 inside."""
+    _check_geglu("npu_geglu_grad", input, dim, approximate)
+    gate, x = _reference.geglu_halves(input, dim, activate_left)
+    check(
+        grad_output.shape == gate.shape,
+        f"npu_geglu_grad: grad shape {tuple(grad_output.shape)} != {tuple(gate.shape)}",
+    )
+    g = grad_output.float()
+    mode = "tanh" if approximate == 1 else "none"
+    dgate = torch.ops.aten.gelu_backward(g * x, gate, approximate=mode)
+    dx = g * gelu.float()
+    halves = (dgate, dx) if activate_left else (dx, dgate)
+    return torch.cat(halves, dim).to(input.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
 # RoPE (§5): the CANN RotaryPositionEmbedding kernels' tiling, hicann/ops-transformer posembedding/
 # ----------------------------------------------------------------------------------------------------
 
@@ -879,6 +963,24 @@ def _fake_unpermute_grad(
     return fake_like(permuted_tokens), dprobs
 
 
+def _fake_geglu(profile: Profile, input: Tensor, dim: int = -1, *args: Any) -> tuple[Tensor, Tensor]:
+    shape = list(input.shape)
+    shape[dim] //= 2
+    return fake_empty(shape, input.dtype, input), fake_empty(shape, input.dtype, input)
+
+
+def _fake_geglu_grad(profile: Profile, grad_output: Tensor, input: Tensor, *args: Any) -> Tensor:
+    return fake_like(input)
+
+
+def _fake_elementwise(profile: Profile, input: Tensor, *args: Any) -> Tensor:
+    return fake_like(input)
+
+
+def _fake_elementwise_backward(profile: Profile, grad: Tensor, input: Tensor, *args: Any) -> Tensor:
+    return fake_empty(input.shape, torch.result_type(grad, input), input)
+
+
 @dataclass(frozen=True)
 class OpDef:
     """How the stand-in computes one op (checks and math) and what its fake kernel returns."""
@@ -892,6 +994,12 @@ OP_DEFS: dict[str, OpDef] = {
     "npu_rms_norm_backward": OpDef(rms_norm_backward, _fake_rms_norm_backward),
     "npu_swiglu": OpDef(swiglu, _fake_swiglu),
     "npu_swiglu_backward": OpDef(swiglu_backward, _fake_swiglu_backward),
+    "npu_gelu": OpDef(gelu, _fake_elementwise),
+    "npu_gelu_backward": OpDef(gelu_backward, _fake_elementwise_backward),
+    "npu_fast_gelu": OpDef(fast_gelu, _fake_elementwise),
+    "npu_fast_gelu_backward": OpDef(fast_gelu_backward, _fake_elementwise_backward),
+    "npu_geglu": OpDef(geglu, _fake_geglu),
+    "npu_geglu_grad": OpDef(geglu_grad, _fake_geglu_grad),
     "npu_rotary_mul": OpDef(rotary_mul, _fake_rotary_mul),
     "npu_rotary_mul_backward": OpDef(rotary_mul_backward, _fake_rotary_mul_backward),
     "npu_grouped_matmul": OpDef(grouped_matmul, _fake_grouped_matmul),

@@ -92,6 +92,27 @@ _NEWEST_SCHEMAS = {
     ),
 }
 
+# The GELU family (issue 34), the same in every branch modelled here (op_plugin_functions.yaml of 7.1.0,
+# 7.2.0, 7.3.0, 26.0.0, 26.1.0 and master): npu_gelu with ``approximate`` from 6.0.0; npu_fast_gelu and
+# npu_geglu in every branch (npu_geglu's activate_left from 6.0.rc1). Which have a backward differs:
+# _GELU_AUTOGRAD and _FAST_GELU_AUTOGRAD below.
+_GELU_SCHEMAS = {
+    "npu_gelu": "npu_gelu(Tensor self, *, str approximate='none') -> Tensor",
+    "npu_gelu_backward": (
+        "npu_gelu_backward(Tensor grad_output, Tensor self, *, str approximate='none') -> Tensor"
+    ),
+    "npu_fast_gelu": "npu_fast_gelu(Tensor self) -> Tensor",
+    "npu_fast_gelu_backward": "npu_fast_gelu_backward(Tensor grad, Tensor self) -> Tensor",
+    "npu_geglu": (
+        "npu_geglu(Tensor self, int dim=-1, int approximate=1, bool activate_left=False) -> (Tensor, Tensor)"
+    ),
+    "npu_geglu_grad": (
+        "npu_geglu_grad(Tensor grad_output, Tensor self, Tensor gelu, int dim=-1, int approximate=1, "
+        "bool activate_left=False) -> Tensor"
+    ),
+}
+_NEWEST_SCHEMAS.update(_GELU_SCHEMAS)
+
 # op-plugin 7.2.0's op_plugin_functions.yaml, where it differs from the newest: no ``rotate`` for
 # npu_rotary_mul, ScalarType output_dtype for npu_grouped_matmul, the v1 backward ops of the
 # token permute/unpermute ops, and fusion attention without sink/dropout_mask.
@@ -149,6 +170,7 @@ _V72_SCHEMAS = {
 # has no softmax_layout.
 _V71_SCHEMAS = {
     **{name: schema for name, schema in _V72_SCHEMAS.items() if not name.endswith("_grad")},
+    **_GELU_SCHEMAS,
     "npu_fusion_attention": (
         "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
         "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
@@ -174,6 +196,13 @@ _V71_SCHEMAS = {
 # (op-plugin's AutogradErrorFallback.cpp, whose backward raises, covers only ops no kernel calls:
 # npu_add_rms_norm, npu_apply_rotary_pos_emb, npu_moe_gating_top_k_softmax. Not modelled.)
 
+# derivatives.yaml: npu_gelu -> npu_gelu_backward from 6.0.0 (``version: [v2.1, newest]``); npu_geglu
+# -> npu_geglu_grad (``output_differentiability: [true, false]``, result1 saved) in every branch;
+# npu_fast_gelu -> npu_fast_gelu_backward only from 7.3.0 (before, only the beta ``fast_gelu`` has an
+# entry, and npu_fast_gelu gets the fallback: no gradient).
+_GELU_AUTOGRAD = {"npu_gelu": "npu_gelu_backward", "npu_geglu": "npu_geglu_grad"}
+_FAST_GELU_AUTOGRAD = {"npu_fast_gelu": "npu_fast_gelu_backward"}
+
 _NEWEST_AUTOGRAD = {
     "npu_rms_norm": "npu_rms_norm_backward",
     "npu_swiglu": "npu_swiglu_backward",
@@ -181,6 +210,8 @@ _NEWEST_AUTOGRAD = {
     "npu_fusion_attention": "npu_fusion_attention_grad",
     "npu_moe_token_permute": "npu_moe_token_permute_grad_v2",
     "npu_moe_token_unpermute": "npu_moe_token_unpermute_grad_v2",
+    **_GELU_AUTOGRAD,
+    **_FAST_GELU_AUTOGRAD,
 }
 
 _V72_AUTOGRAD = {
@@ -190,6 +221,7 @@ _V72_AUTOGRAD = {
     "npu_fusion_attention": "npu_fusion_attention_grad",
     "npu_moe_token_permute": "npu_moe_token_permute_grad",
     "npu_moe_token_unpermute": "npu_moe_token_unpermute_grad",
+    **_GELU_AUTOGRAD,
 }
 
 _V71_AUTOGRAD = {name: grad for name, grad in _V72_AUTOGRAD.items() if not name.startswith("npu_moe_token")}

@@ -58,8 +58,13 @@ if V4:
     )
 
 
+# Table models whose LM head the chunked loss cannot compute, so the table gives them no loss target:
+# gemma2 caps its final logits (tanh softcap before the loss), which the loss probe refuses.
+NO_LOSS_TARGET = {"gemma2": "final_logit_softcapping"}
+
+
 def test_every_table_model_has_a_loss_target():
-    assert [t for t in MODEL_TYPES if "loss" not in MODELS[t].kernels] == []
+    assert [t for t in MODEL_TYPES if "loss" not in MODELS[t].kernels] == list(NO_LOSS_TARGET)
 
 
 def _batch(model, seed=1, batch=2, length=9):

@@ -61,34 +61,38 @@ def _elements(chunk_size: int | None, chunk_bytes: int | None, vocab: int, dtype
     return max(vocab, budget // (4 + (dtype.itemsize if dtype.itemsize < 4 else 0)))
 
 
-def _softmax_grad(logits, lse, one_hot, scale, dtype):
-    """``(softmax - one_hot) * scale`` in ``dtype``, in place of the fp32 ``logits``; ``one_hot`` is
-    the (rows, columns) of the ones, as stock's backward rounds its logits' gradient to ``dtype``."""
-    grad = logits.sub_(lse[:, None]).exp_()
-    grad[one_hot] -= 1
-    return grad.mul_(scale).to(dtype)
-
-
 def _token_chunk(chunk, matrix, target, scale, dtype, grad_weight):
     """One chunk of token rows over the whole vocabulary: (sum of their losses, their log-sum-exp,
     their hidden states' gradient or None); adds their part of the weight's gradient to
-    ``grad_weight`` when given. Its temporaries die with the call, not with the next chunk."""
+    ``grad_weight`` when given. Its temporaries die with the call, not with the next chunk.
+
+    The exponentials of the log-sum-exp are the softmax's too: one ``exp`` pass over the fp32
+    logits, in place, then the gradient ``(softmax - one_hot) * scale`` rounded to ``dtype`` as
+    stock's backward rounds it."""
     logits = (chunk @ matrix.T).float()
-    lse = torch.logsumexp(logits, dim=-1)
-    loss = (lse - logits.gather(1, target[:, None]).squeeze(1)).sum()
+    rows = torch.arange(target.numel(), device=target.device)
+    picked = logits[rows, target]
+    top = logits.amax(dim=-1)
+    exp = logits.sub_(top[:, None]).exp_()
+    total = exp.sum(dim=-1)
+    lse = top + total.log()
+    loss = (lse - picked).sum()
     if scale is None:
         return loss, lse, None
-    rows = torch.arange(target.numel(), device=target.device)
-    grad = _softmax_grad(logits, lse, (rows, target), scale, dtype)
+    grad = exp.mul_((scale / total)[:, None])
+    grad[rows, target] -= scale
+    grad = grad.to(dtype)
     if grad_weight is not None:
         grad_weight.addmm_(grad.T, chunk)
     return loss, lse, grad @ matrix
 
 
-def _vocab_block(rows, block, lse, one_hot, scale, dtype):
-    """The weight's gradient for one block of vocabulary rows, over every token in one matmul."""
-    logits = (rows @ block.T).float()
-    return _softmax_grad(logits, lse, one_hot, scale, dtype).T @ rows
+def _vocab_block(rows, block, shift, one_hot, scale, dtype):
+    """The weight's gradient for one block of vocabulary rows, over every token in one matmul;
+    ``shift`` is each row's log-sum-exp minus ``log(scale)``, so one ``exp`` makes softmax * scale."""
+    grad = (rows @ block.T).float().sub_(shift[:, None]).exp_()
+    grad[one_hot] -= scale
+    return grad.to(dtype).T @ rows
 
 
 def _one_hot_blocks(targets, vocab, columns):
@@ -145,9 +149,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if by_blocks:
                 columns = max(1, elements // max(1, index.numel()))
                 blocks = _one_hot_blocks(targets, weight.shape[0], columns)
+                shift = lse - scale.log()
                 for block, one_hot in enumerate(blocks):
                     part = slice(block * columns, (block + 1) * columns)
-                    grad_weight[part] = _vocab_block(rows, matrix[part], lse, one_hot, scale, dtype)
+                    grad_weight[part] = _vocab_block(rows, matrix[part], shift, one_hot, scale, dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total * scale
 

@@ -194,18 +194,26 @@ def errors_vs_fp64(got: torch.Tensor, reference: torch.Tensor, dtype: torch.dtyp
     }
 
 
-def lm_head_loss_reference(hidden, weight, labels, dtype: torch.dtype, ignore_index: int = -100):
+def lm_head_loss_reference(
+    hidden, weight, labels, dtype: torch.dtype, ignore_index: int = -100, rows: int = 1024
+):
     """The gradients (hidden, weight) of the mean cross-entropy of ``hidden @ weight.T`` as stock's
     dtype flow makes them, with every matmul and sum in fp64: the logits and their gradient rounded
     to ``dtype`` where lm_head and its backward round them, nothing else. The floor a chunked or
     fused loss in ``dtype`` is held to (the hidden states and weight are already ``dtype`` values)."""
     hidden, weight = hidden.double(), weight.double()
     keep = labels != ignore_index
-    logits = (hidden @ weight.T).to(dtype).double()
-    grad = torch.softmax(logits, dim=-1)
-    grad[keep.nonzero().squeeze(1), labels[keep]] -= 1
-    grad = (grad * keep[:, None] / keep.sum()).to(dtype).double()
-    return grad @ weight, grad.T @ hidden
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+    for start in range(0, hidden.shape[0], rows):  # fp64 sums: chunked as exactly as not
+        part = slice(start, start + rows)
+        logits = (hidden[part] @ weight.T).to(dtype).double()
+        grad = torch.softmax(logits, dim=-1)
+        valid = keep[part].nonzero().squeeze(1)
+        grad[valid, labels[part][valid]] -= 1
+        grad = (grad * keep[part, None] / keep.sum()).to(dtype).double()
+        grad_hidden[part] = grad @ weight
+        grad_weight.addmm_(grad.T, hidden[part])
+    return grad_hidden, grad_weight
 
 
 # A gradient that is zero in exact arithmetic (the key bias of softmax attention, the router of a

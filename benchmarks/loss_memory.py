@@ -10,15 +10,16 @@ A peer that is not installed is left out and said so. Modes: ``float32`` and ``b
 hidden states, and ``autocast`` (fp32 weights and hidden states, the forward under bf16 autocast, as
 HF ``Trainer(bf16=True)`` runs it). Vocab 151,936 (Qwen3), hidden 1,024, one in ten labels -100.
 
-Each configuration runs in a fresh process, two steps: the first warms up (cut-cross-entropy compiles),
-the second is measured. Peak = the high-water mark of the resident size (VmHWM, reset just before the
+Each configuration runs in a fresh process and measures one step (cut-cross-entropy's second: its
+first compiles). Peak = the high-water mark of the resident size (VmHWM, reset just before the
 step) minus the resident size then: the weight, the hidden states and torch are the baseline; the
 gradients and everything the step allocates are in the peak. glibc is told to map every allocation
-of 128 KiB or more on its own (``MALLOC_MMAP_THRESHOLD_``), so memory freed by the first step is given
-back and counted again. Time: the median over ``--repeats`` processes per configuration, run
-interleaved (configuration after configuration, then again), since this machine's 2 cores are shared;
-the load average is printed before and after. A stock step whose logits would not fit in the
-available memory (16 bytes per logit) is left out and said so.
+of 128 KiB or more on its own (``MALLOC_MMAP_THRESHOLD_``), so memory freed by a first step is given
+back and counted again, and every step pays for the pages it touches alike. Time: the median over
+``--repeats`` processes per configuration, run interleaved (configuration after configuration, then
+again), since this machine's 2 cores are shared; the load average is printed before and after. A
+stock step whose logits would not fit in the available memory (16 bytes per logit) is left out and
+said so.
 
 ``--errors``: the weight and hidden-state gradients of each implementation against an fp64 reference
 of stock's dtype flow (``testing.parity.lm_head_loss_reference``: the logits and their gradient
@@ -157,11 +158,12 @@ def _step(loss, mode, hidden, weight, labels):
 
 
 def child(impl, mode, tokens, vocab, hidden_size, budget_mb):
-    """One configuration in this process: {peak_mb, seconds} of its second step on stdout."""
+    """One configuration in this process: {peak_mb, seconds} of its measured step on stdout."""
     hidden, weight, labels = _inputs(mode, tokens, vocab, hidden_size)
     loss = _loss_function(impl, budget_mb)
-    _step(loss, mode, hidden, weight, labels)  # warm-up: compiles, first calls
-    weight.grad = hidden.grad = None
+    if impl == "cce":
+        _step(loss, mode, hidden, weight, labels)  # torch.compile compiles at the first call
+        weight.grad = hidden.grad = None
     _reset_high_water()
     before = _resident_mb()
     start = time.perf_counter()
@@ -211,6 +213,9 @@ def _measure(configurations, repeats, setting):
         for impl, mode, tokens, budget in configurations:
             args = ("--child", impl, mode, tokens, setting["vocab"], setting["hidden"], budget or 0)
             results[(impl, mode, tokens, budget)].append(_run(*args))
+            run = results[(impl, mode, tokens, budget)][-1]
+            cells = f"{run['peak_mb']:.0f} MB, {run['seconds']:.2f} s"
+            print(f"  ran {impl} {mode} {tokens} tokens (budget {budget or 'default'}): {cells}", flush=True)
     return results
 
 

@@ -6,8 +6,9 @@ one chunk of rows at a time, so at most one chunk of logits is alive; they are p
 so they run on any device.
 
 - ``linear_cross_entropy`` computes the gradients w.r.t. ``hidden`` and ``weight`` during the
-  forward, chunk by chunk (the loss is a scalar, so its backward only scales them): nothing is
-  recomputed and no logits are saved for the backward.
+  forward, chunk by chunk (the loss is a scalar, so its backward only scales them): no logits are
+  saved for the backward; a bf16 weight's gradient takes a second pass that recomputes the logits
+  by blocks of the vocabulary (issue 35: see ``_LinearCrossEntropy``).
 - ``linear_logprobs`` returns per-token values whose upstream gradients are known only in the
   backward, so it saves the inputs and recomputes each chunk's logits there.
 

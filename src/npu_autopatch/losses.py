@@ -62,38 +62,51 @@ def _elements(chunk_size: int | None, chunk_bytes: int | None, vocab: int, dtype
     return max(vocab, budget // (4 + (dtype.itemsize if dtype.itemsize < 4 else 0)))
 
 
-def _token_chunk(chunk, matrix, target, scale, dtype, grad_weight):
+def _shifted(logits, shift):
+    """``logits - shift`` per row in fp32: in place for fp32 logits, else read from the 2-byte
+    ones into a new fp32 tensor (the upcast and the subtraction in one pass)."""
+    if logits.dtype == torch.float32:
+        return logits.sub_(shift[:, None])
+    return torch.sub(logits, shift[:, None], out=torch.empty(logits.shape, device=logits.device))
+
+
+def _token_chunk(chunk, matrix, target, scale, grad_weight):
     """One chunk of token rows over the whole vocabulary: (sum of their losses, their log-sum-exp,
     their hidden states' gradient or None); adds their part of the weight's gradient to
     ``grad_weight`` when given. Its temporaries die with the call, not with the next chunk.
 
     The exponentials of the log-sum-exp are the softmax's too: one ``exp`` pass over the fp32
-    logits, in place, then the gradient ``(softmax - one_hot) * scale`` rounded to ``dtype`` as
-    stock's backward rounds it."""
-    logits = (chunk @ matrix.T).float()
+    logits, then the gradient ``(softmax - one_hot) * scale`` written in the matmul's dtype into the
+    matmul's output (rounded as stock's backward rounds it)."""
+    logits = chunk @ matrix.T
     rows = torch.arange(target.numel(), device=target.device)
-    picked = logits[rows, target]
-    top = logits.amax(dim=-1)
-    exp = logits.sub_(top[:, None]).exp_()
+    picked = logits[rows, target].float()
+    top = logits.amax(dim=-1).float()
+    exp = _shifted(logits, top).exp_()
     total = exp.sum(dim=-1)
     lse = top + total.log()
     loss = (lse - picked).sum()
     if scale is None:
         return loss, lse, None
-    grad = exp.mul_((scale / total)[:, None])
-    grad[rows, target] -= scale
-    grad = grad.to(dtype)
+    factor = scale / total
+    at_target = exp[rows, target] * factor - scale
+    grad = torch.mul(exp, factor[:, None], out=logits)
+    grad[rows, target] = at_target.to(grad.dtype)
     if grad_weight is not None:
         grad_weight.addmm_(grad.T, chunk)
     return loss, lse, grad @ matrix
 
 
-def _vocab_block(rows, block, shift, one_hot, scale, dtype):
+def _vocab_block(rows, block, shift, one_hot, scale):
     """The weight's gradient for one block of vocabulary rows, over every token in one matmul;
-    ``shift`` is each row's log-sum-exp minus ``log(scale)``, so one ``exp`` makes softmax * scale."""
-    grad = (rows @ block.T).float().sub_(shift[:, None]).exp_()
-    grad[one_hot] -= scale
-    return grad.to(dtype).T @ rows
+    ``shift`` is each row's log-sum-exp minus ``log(scale)``, so one ``exp`` makes softmax * scale,
+    written in the matmul's dtype into the matmul's output."""
+    logits = rows @ block.T
+    shifted = _shifted(logits, shift)
+    at_target = shifted[one_hot].exp() - scale
+    grad = torch.exp(shifted, out=logits)
+    grad[one_hot] = at_target.to(grad.dtype)
+    return grad.T @ rows
 
 
 def _one_hot_blocks(targets, vocab, columns):
@@ -141,9 +154,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             step = max(1, elements // weight.shape[0])
             for start in range(0, index.numel(), step):
                 part = slice(start, start + step)
-                loss, lse[part], grad = _token_chunk(
-                    rows[part], matrix, targets[part], grad_scale, dtype, in_place
-                )
+                loss, lse[part], grad = _token_chunk(rows[part], matrix, targets[part], grad_scale, in_place)
                 total += loss
                 if want_hidden:
                     grad_hidden.index_copy_(0, index[part], grad.to(hidden.dtype))
@@ -153,7 +164,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 shift = lse - scale.log()
                 for block, one_hot in enumerate(blocks):
                     part = slice(block * columns, (block + 1) * columns)
-                    grad_weight[part] = _vocab_block(rows, matrix[part], shift, one_hot, scale, dtype)
+                    grad_weight[part] = _vocab_block(rows, matrix[part], shift, one_hot, scale)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total * scale
 

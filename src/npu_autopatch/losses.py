@@ -48,10 +48,9 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-def _elements(chunk_size: int | None, chunk_bytes: int | None, vocab: int, dtype: torch.dtype) -> int:
+def _elements(chunk_size: int | None, chunk_bytes: int | None, vocab: int, per_logit: int) -> int:
     """Logits per chunk: ``chunk_size`` rows of the vocabulary, else as many as fit ``chunk_bytes``
-    (by default CHUNK_BYTES) at 4 bytes per fp32 logit, plus its gradient's (or the matmul's output)
-    2 bytes beside it when the matmul runs in a 2-byte dtype."""
+    (by default CHUNK_BYTES) at ``per_logit`` bytes each (what the function keeps per logit at once)."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -59,7 +58,7 @@ def _elements(chunk_size: int | None, chunk_bytes: int | None, vocab: int, dtype
     budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if budget < 1:
         raise ValueError(f"chunk_bytes must be positive, got {budget}")
-    return max(vocab, budget // (4 + (dtype.itemsize if dtype.itemsize < 4 else 0)))
+    return max(vocab, budget // per_logit)
 
 
 def _shifted(logits, shift):
@@ -226,7 +225,9 @@ def linear_cross_entropy(
     else:
         divisor = torch.ones((), device=flat.device)
     scale = 1.0 / divisor.to(torch.float32)
-    plan = (dtype, _elements(chunk_size, chunk_bytes, weight.shape[0], dtype))
+    # The fp32 logits, and beside them the matmul's output or the gradient when it is 2-byte.
+    per_logit = 4 + (dtype.itemsize if dtype.itemsize < 4 else 0)
+    plan = (dtype, _elements(chunk_size, chunk_bytes, weight.shape[0], per_logit))
     return _LinearCrossEntropy.apply(flat, weight, (index, labels[index]), scale, plan)
 
 
@@ -309,7 +310,8 @@ def linear_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     flat = hidden.reshape(-1, hidden.shape[-1])
-    plan = (dtype, _elements(chunk_size, chunk_bytes, weight.shape[0], dtype))
+    # The fp32 logits, log-probs, probabilities and two products of them at once (the backward).
+    plan = (dtype, _elements(chunk_size, chunk_bytes, weight.shape[0], 20))
     tokens_flat = tokens.reshape(-1).to(flat.device)
     logprobs, entropy = _LinearLogprobs.apply(flat, weight, tokens_flat, temperature, plan)
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)

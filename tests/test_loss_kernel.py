@@ -75,10 +75,11 @@ def _batch(model, seed=1, batch=2, length=9):
     return ids, labels
 
 
-def _run(model, **inputs):
-    """(loss, {parameter: gradient}, outputs) of one forward + backward."""
+def _run(model, autocast=False, **inputs):
+    """(loss, {parameter: gradient}, outputs) of one forward (under bf16 autocast if asked) + backward."""
     model.zero_grad(set_to_none=True)
-    out = model(**inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(**inputs)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.loss.detach(), grads, out
@@ -209,19 +210,49 @@ def test_a_head_with_hooks_of_its_own_takes_the_stock_forward_once(npu_stand_in)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
-def test_trainer_gives_the_same_losses_step_by_step(model_type, tmp_path, npu_stand_in, monkeypatch):
-    stock = trainer_losses(tiny_model(model_type), tmp_path / "stock", prompts=True)
+def test_a_training_step_under_autocast_is_chunked_and_equals_stock_under_autocast(model_type, npu_stand_in):
+    """Issue 35: HF Trainer(bf16=True), accelerate and TRL wrap the forward in autocast. The chunked
+    loss runs there with autocast's semantics (the head's matmul in bf16, the loss in fp32): counted
+    fused, no logits, stock's loss and every gradient within bf16 rounding, fp32 master weights
+    getting fp32 gradients."""
+    overrides = {"output_router_logits": True} if "moe" in model_type else {}
+    model = tiny_model(model_type, **overrides)
+    ids, labels = _batch(model)
+    stock_loss, stock_grads, stock_out = _run(model, autocast=True, input_ids=ids, labels=labels)
+    assert stock_out.logits is not None
+    npu_autopatch.enable(models=[model_type], kernels=[], loss=True)
+    loss, grads, out = _run(model, autocast=True, input_ids=ids, labels=labels)
+    calls = npu_autopatch.status()[model_type].calls
+    assert {"fused": 1, "stock": {}} in calls.values(), calls
+    assert out.logits is None
+    assert grads["lm_head.weight"].dtype == torch.float32
+    _close(loss, stock_loss, torch.bfloat16)
+    assert grads.keys() == stock_grads.keys()
+    for name, grad in grads.items():
+        _close(grad, stock_grads[name], torch.bfloat16)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_trainer_gives_the_same_losses_step_by_step(model_type, bf16, tmp_path, npu_stand_in, monkeypatch):
+    """fp32, and bf16=True (the forward under autocast): every micro-batch takes the chunked loss."""
+    stock = trainer_losses(tiny_model(model_type), tmp_path / "stock", prompts=True, bf16=bf16)
     npu_autopatch.enable(models=[model_type], kernels=[], loss=True)
     calls = []
     chunked = loss_kernel.linear_cross_entropy
     counted = lambda *a, **k: calls.append(k) or chunked(*a, **k)  # noqa: E731
     monkeypatch.setattr(loss_kernel, "linear_cross_entropy", counted)
-    patched = trainer_losses(tiny_model(model_type), tmp_path / "patched", prompts=True)
-    assert npu_autopatch.status()[model_type].kernels == ("loss",)
+    model = tiny_model(model_type)
+    logits = []
+    model.register_forward_hook(lambda module, args, out: logits.append(out.logits))
+    patched = trainer_losses(model, tmp_path / "patched", prompts=True, bf16=bf16)
+    record = npu_autopatch.status()[model_type]
+    assert record.kernels == ("loss",)
     assert len(stock) == len(patched) == 4
     # Every micro-batch took the chunked loss, divided by the accumulation's token count.
     assert len(calls) == 8 and all(k["num_items_in_batch"] is not None for k in calls)
-    torch.testing.assert_close(patched, stock, rtol=1e-4, atol=0)
+    assert {"fused": 8, "stock": {}} in record.calls.values() and logits == [None] * 8, record.calls
+    torch.testing.assert_close(patched, stock, rtol=2e-2 if bf16 else 1e-4, atol=0)
 
 
 def _router_logits(model, on):

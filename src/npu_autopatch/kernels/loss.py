@@ -25,11 +25,15 @@ Stock, untouched, for every call this does not reproduce or should not serve: ev
 gradients, ``labels`` absent or positional, ``return_dict=False``, a loss function other than
 ``ForCausalLMLoss`` (a user's ``loss_function``), a head that is not a bias-free ``nn.Linear``
 with no hooks of its own (PEFT, DeepSpeed, FSDP2 sharding the head alone, accelerate offload),
-autocast, a head dtype other than the hidden states', and under torch.compile (dynamo would break
+a head dtype other than the hidden states' outside autocast, and under torch.compile (dynamo would break
 the graph at the hook and the chunk loop's data-dependent rows, and ``fullgraph=True`` refuses
 them: compiled, the model runs its stock head and loss in the graph). When the head was not
 called exactly once, or the labels do not match the kept positions, the loss is the stock head's
-on the captured hidden states (the stock result, or the stock error). The forward is not thread-safe
+on the captured hidden states (the stock result, or the stock error: before issue 24 that call
+raised a TypeError of ours, reached under autocast). Under autocast (HF ``Trainer(bf16=True)``,
+accelerate's and TRL's mixed precision) the chunked loss runs with autocast's semantics, as the
+stock head and loss do there: the matmul in autocast's dtype, the rest in fp32, each gradient in
+its input's dtype (fp32 master weights get fp32 gradients). The forward is not thread-safe
 across concurrent calls on one model instance (the hook is per module), as no trainer does.
 """
 
@@ -40,7 +44,7 @@ import threading
 import torch
 
 from .._types import Kernel, Report, Variant
-from ..losses import linear_cross_entropy
+from ..losses import _matmul_dtype, linear_cross_entropy
 from ._calls import counters
 from ._probe import _set, agree_strict, first_disagreement, generator, linear, parameters, randn
 
@@ -91,7 +95,7 @@ def _stock_loss_function():
 
 
 # The stock rules that are the caller's choice (evaluation, inference, a loss of their own): counted,
-# never warned about. The others (autocast, a wrapped head) mean the kernel could not serve a training
+# never warned about. The others (a wrapped head, its dtype) mean the kernel could not serve a training
 # step, which the mostly-stock WARNING says.
 _ROUTINE = ("no labels", "return_dict=False", "eval", "no_grad", "own loss_function")
 
@@ -108,8 +112,6 @@ def _why_stock(model, labels, return_dict, head):
         return "no_grad"
     if _head_differs(head) is not None:
         return "lm_head not a plain nn.Linear"
-    if torch.is_autocast_enabled(head.weight.device.type):
-        return "autocast"
     return "own loss_function"
 
 
@@ -136,7 +138,6 @@ def _build(stock, npu, on_error):
             or not self.training
             or not torch.is_grad_enabled()
             or _head_differs(head) is not None
-            or torch.is_autocast_enabled(head.weight.device.type)
             or self.loss_function is not causal_lm_loss
         ):
             count_stock(lambda: _why_stock(self, labels, return_dict, head), labels)
@@ -157,7 +158,7 @@ def _build(stock, npu, on_error):
             handle.remove()
         hidden = captured[0] if len(captured) == 1 else None
         loss = None
-        usable = hidden is not None and hidden.dtype == head.weight.dtype
+        usable = hidden is not None and _matmul_dtype(hidden, head.weight) is not None
         if usable:
             try:
                 loss = _chunked_loss(hidden, head.weight, labels, kwargs)

@@ -180,6 +180,42 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got - expected).abs().max() / scale).item()
 
 
+def errors_vs_fp64(got: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
+    """How far ``got`` is from an fp64 ``reference``: the largest absolute error, the relative
+    Frobenius error, and the share of elements more than one unit in the last place of ``dtype``
+    (at the reference's own magnitude) away from it."""
+    difference = (got.double() - reference).abs()
+    exponent = torch.frexp(reference)[1].double() - 1  # |reference| in [2**e, 2**(e+1))
+    ulp = torch.exp2(exponent) * torch.finfo(dtype).eps
+    return {
+        "max_abs": difference.max().item(),
+        "rel_frobenius": (difference.norm() / reference.norm().clamp_min(1e-300)).item(),
+        "over_ulp": (difference > ulp).double().mean().item(),
+    }
+
+
+def lm_head_loss_reference(
+    hidden, weight, labels, dtype: torch.dtype, ignore_index: int = -100, rows: int = 1024
+):
+    """The gradients (hidden, weight) of the mean cross-entropy of ``hidden @ weight.T`` as stock's
+    dtype flow makes them, with every matmul and sum in fp64: the logits and their gradient rounded
+    to ``dtype`` where lm_head and its backward round them, nothing else. The floor a chunked or
+    fused loss in ``dtype`` is held to (the hidden states and weight are already ``dtype`` values)."""
+    hidden, weight = hidden.double(), weight.double()
+    keep = labels != ignore_index
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+    for start in range(0, hidden.shape[0], rows):  # fp64 sums: chunked as exactly as not
+        part = slice(start, start + rows)
+        logits = (hidden[part] @ weight.T).to(dtype).double()
+        grad = torch.softmax(logits, dim=-1)
+        valid = keep[part].nonzero().squeeze(1)
+        grad[valid, labels[part][valid]] -= 1
+        grad = (grad * keep[part, None] / keep.sum()).to(dtype).double()
+        grad_hidden[part] = grad @ weight
+        grad_weight.addmm_(grad.T, hidden[part])
+    return grad_hidden, grad_weight
+
+
 # A gradient that is zero in exact arithmetic (the key bias of softmax attention, the router of a
 # top-1 MoE whose weight is renormalised to 1) is rounding noise in both runs; relative to its own
 # size the difference means nothing. Below this fraction of the largest stock gradient, in both

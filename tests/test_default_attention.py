@@ -158,7 +158,9 @@ print("RESULT" + json.dumps(out))
 # Model types whose tiny model does not take FA2 (neither ``_supports_flash_attn`` nor 4.57's
 # ``_supports_flash_attn_2``): they keep sdpa.
 # 5.x: gemma3 is the vision-language wrapper (its text model, gemma3_text, takes FA2).
-NO_FA2 = set() if V4 else {"gemma3", "glm_moe_dsa", "deepseek_v32"}
+# Whose tiny model transformers 5 gives no flash attention; gemma3's (the vision-language wrapper, whose
+# mask FA2 cannot hold) is kept on sdpa on 4.57 too (kernels/attention.py ``_DROPS_BIDIRECTIONAL_4``).
+NO_FA2 = {"gemma3"} if V4 else {"gemma3", "glm_moe_dsa", "deepseek_v32"}
 _THINKER = "transformers raises with a padding mask: the thinker's config has no vision_start_token_id"
 _MROPE = "transformers does not take restarting 2-D position_ids as packing for a 3-D (mrope) model"
 _LINEAR = "its linear-attention layers mix packed sequences"

@@ -66,7 +66,7 @@ def test_on_torch_npu_2_6_the_report_says_what_was_gated_and_why():
     report = json.loads(run.stdout)
     assert report["environment"]["torch_npu"] == "2.6.0"
     assert report["decisions"]["op_plugin"] == "7.1.0"
-    assert list(report["decisions"]["gated"]) == ["moe", "attention/dense", "attention/varlen"]
+    assert list(report["decisions"]["gated"]) == ["quick_gelu", "moe", "attention/dense", "attention/varlen"]
     assert "no sink before op-plugin 7.3.0" in report["decisions"]["gated"]["attention/dense"]
     assert (
         "before op-plugin 7.2.0 (torch_npu 2.6.0 has op-plugin 7.1.0)" in report["decisions"]["gated"]["moe"]

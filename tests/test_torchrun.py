@@ -67,9 +67,10 @@ def test_two_ranks_are_patched_and_only_rank_zero_logs(tmp_path):
     assert rank0["qwen3"]["state"] == "applied" and rank0["llama"]["state"] == "applied"
 
     ours = [line for line in run.stderr.splitlines() if line.startswith("npu_autopatch|")]
-    assert ours == [  # the flash-attention integrations are imported with transformers, before any model
+    assert ours == [  # the integrations are imported with transformers, before any model
         "npu_autopatch|npu-autopatch: flash_attention_utils: applied attention to 1 target",
         "npu_autopatch|npu-autopatch: npu_flash_attention: applied attention to 2 targets",
+        "npu_autopatch|npu-autopatch: activations: applied gelu, quick_gelu to 5 targets",
         "npu_autopatch|npu-autopatch: default_attention: applied default_attention to 1 target",
         "npu_autopatch|npu-autopatch: qwen3: applied rms_norm, swiglu, rope to 3 targets",
         "npu_autopatch|npu-autopatch: llama: applied rms_norm, swiglu, rope to 3 targets",

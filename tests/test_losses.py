@@ -208,6 +208,39 @@ def test_linear_logprobs_under_autocast_are_stocks_under_autocast(hidden_dtype, 
     _close(grads, _grads(objective(expected), hidden, weight), torch.bfloat16)
 
 
+def test_the_bf16_weight_gradient_of_the_logprobs_is_as_close_to_fp64_as_stocks_over_many_chunks():
+    """As for the loss: the weight's gradient through the log-probs and entropy sums over every token,
+    so it is made per block of vocabulary rows over all of them, rounded once as stock's matmul; the
+    reference rounds the logits and their gradient to bf16 where stock does, in fp64 otherwise."""
+    vocab, width, tokens, temperature = 512, 64, 8192, 0.7
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(vocab, width, generator=gen) / width**0.5).bfloat16()
+    hidden = torch.randn(tokens, width, generator=gen).bfloat16()
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    a, b = torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen)
+
+    def objective(logprobs, entropy):
+        return (a * logprobs).sum() + (b * entropy).sum()
+
+    logits = (hidden.double() @ weight.double().T).bfloat16().double().requires_grad_()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    (grad,) = torch.autograd.grad(objective(logp.gather(1, targets[:, None]).squeeze(1), entropy), logits)
+    grad = grad.bfloat16().double()
+    exact = (grad @ weight.double(), grad.T @ hidden.double())
+
+    def errors(outputs):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        grads = _grads(objective(*outputs(h, w)), h, w)
+        return [errors_vs_fp64(g, e, torch.bfloat16) for g, e in zip(grads, exact, strict=True)]
+
+    stock = errors(lambda h, w: _reference_logprobs(h, w, targets, temperature))
+    ours = errors(lambda h, w: linear_logprobs(h, w, targets, temperature, chunk_size=64))
+    for got, floor in zip(ours, stock, strict=True):  # the hidden states', then the weight's
+        assert got["rel_frobenius"] <= floor["rel_frobenius"] * 1.02, (got, floor)
+        assert got["over_ulp"] <= max(0.01, floor["over_ulp"] * 1.02), (got, floor)
+
+
 def test_linear_logprobs_one_output_only():
     hidden, weight, tokens = _inputs(torch.float32)
     tokens = tokens.clamp(min=0)

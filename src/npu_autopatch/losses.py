@@ -10,7 +10,11 @@ so they run on any device.
   saved for the backward; a bf16 weight's gradient takes a second pass that recomputes the logits
   by blocks of the vocabulary (issue 35: see ``_LinearCrossEntropy``).
 - ``linear_logprobs`` returns per-token values whose upstream gradients are known only in the
-  backward, so it saves the inputs and recomputes each chunk's logits there.
+  backward, so it saves the inputs and recomputes each chunk's logits there (and a bf16 weight's
+  gradient by blocks of the vocabulary, as the loss).
+
+Each call allocates its chunk memory once (``_Scratch``, sized by ``CHUNK_BYTES``) and works in
+it in place.
 
 Importing this module imports torch and nothing else; it patches nothing.
 """
@@ -21,12 +25,12 @@ import torch
 
 __all__ = ["linear_cross_entropy", "linear_logprobs"]
 
-# The bytes of one chunk's logits and of their gradient alive at once (the fp32 logits, and in a
-# bf16 or fp16 step the matmul's output and the gradient in that dtype beside them): the default
-# budget every call divides into chunks, read at each call, so setting it here overrides it for
+# The bytes of one call's chunk memory (``_Scratch``: the matmul's output, in a bf16 or fp16 step
+# the fp32 copy beside it, and for linear_logprobs a spare fp32 buffer): the default budget every
+# call divides into chunks and vocabulary blocks, read at each call, so setting it here overrides it for
 # the loss kernel too; ``chunk_bytes=`` overrides it for one call. Chosen at the knee of time vs
 # chunk size measured in docs/loss.md (benchmarks/loss_memory.py --sweep).
-CHUNK_BYTES = 256 * 2**20
+CHUNK_BYTES = 512 * 2**20
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
@@ -61,51 +65,68 @@ def _elements(chunk_size: int | None, chunk_bytes: int | None, vocab: int, per_l
     return max(vocab, budget // per_logit)
 
 
-def _shifted(logits, shift):
-    """``logits - shift`` per row in fp32: in place for fp32 logits, else read from the 2-byte
-    ones into a new fp32 tensor (the upcast and the subtraction in one pass)."""
-    if logits.dtype == torch.float32:
-        return logits.sub_(shift[:, None])
-    return torch.sub(logits, shift[:, None], out=torch.empty(logits.shape, device=logits.device))
+class _Scratch:
+    """One call's chunk memory, allocated once and reused by every chunk and block: the matmul's
+    output in its dtype, an fp32 copy beside it when that dtype is 2-byte, and on request a spare
+    fp32 buffer. Reusing it keeps the peak at the budget and spares each chunk fresh pages (on CPU
+    a new large tensor is a new mapping). Every elementwise step runs in place on one dtype: a
+    mixed-dtype ``out=`` (e.g. bf16 minus fp32 into fp32) takes a slow casting path, several times
+    the cost of the in-place ops plus one ``copy_`` (measured in docs/loss.md)."""
+
+    def __init__(self, elements: int, dtype: torch.dtype, device: torch.device, spare: bool = False):
+        def fp32():
+            return torch.empty(elements, dtype=torch.float32, device=device)
+
+        self._matmul = torch.empty(elements, dtype=dtype, device=device)
+        self._fp32 = fp32() if dtype != torch.float32 else None
+        self._spare = fp32() if spare else None
+
+    @staticmethod
+    def bytes_per_logit(dtype: torch.dtype, spare: bool = False) -> int:
+        """What a scratch for ``dtype`` keeps per logit: the budget divided by this is its size."""
+        return dtype.itemsize + (4 if dtype != torch.float32 else 0) + (4 if spare else 0)
+
+    def logits(self, rows: int, columns: int) -> torch.Tensor:
+        """A ``[rows, columns]`` view for the matmul's output."""
+        return self._matmul[: rows * columns].view(rows, columns)
+
+    def upcast(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` in fp32: themselves when fp32, else copied into the fp32 view of their shape."""
+        if self._fp32 is None:
+            return logits
+        return self._fp32[: logits.numel()].view(logits.shape).copy_(logits)
+
+    def spare(self, like: torch.Tensor) -> torch.Tensor:
+        """The spare fp32 buffer, viewed in the shape of ``like``."""
+        return self._spare[: like.numel()].view(like.shape)
 
 
-def _token_chunk(chunk, matrix, target, scale, grad_weight):
-    """One chunk of token rows over the whole vocabulary: (sum of their losses, their log-sum-exp,
-    their hidden states' gradient or None); adds their part of the weight's gradient to
-    ``grad_weight`` when given. Its temporaries die with the call, not with the next chunk.
-
-    The exponentials of the log-sum-exp are the softmax's too: one ``exp`` pass over the fp32
-    logits, then the gradient ``(softmax - one_hot) * scale`` written in the matmul's dtype into the
-    matmul's output (rounded as stock's backward rounds it)."""
-    logits = chunk @ matrix.T
-    rows = torch.arange(target.numel(), device=target.device)
-    picked = logits[rows, target].float()
-    top = logits.amax(dim=-1).float()
-    exp = _shifted(logits, top).exp_()
-    total = exp.sum(dim=-1)
-    lse = top + total.log()
-    loss = (lse - picked).sum()
-    if scale is None:
-        return loss, lse, None
-    factor = scale / total
-    at_target = exp[rows, target] * factor - scale
-    grad = torch.mul(exp, factor[:, None], out=logits)
-    grad[rows, target] = at_target.to(grad.dtype)
-    if grad_weight is not None:
-        grad_weight.addmm_(grad.T, chunk)
-    return loss, lse, grad @ matrix
+def _downcast(grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The fp32 ``grad`` in the matmul's dtype, written over the matmul's output ``logits`` (where
+    stock's backward rounds the logits' gradient)."""
+    return grad if grad is logits else logits.copy_(grad)
 
 
-def _vocab_block(rows, block, shift, one_hot, scale):
-    """The weight's gradient for one block of vocabulary rows, over every token in one matmul;
-    ``shift`` is each row's log-sum-exp minus ``log(scale)``, so one ``exp`` makes softmax * scale,
-    written in the matmul's dtype into the matmul's output."""
-    logits = rows @ block.T
-    shifted = _shifted(logits, shift)
-    at_target = shifted[one_hot].exp() - scale
-    grad = torch.exp(shifted, out=logits)
-    grad[one_hot] = at_target.to(grad.dtype)
-    return grad.T @ rows
+def _rounds_per_chunk(dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """Whether a weight gradient summed chunk by chunk would be rounded at every chunk: the matmul
+    returns 2-byte partial sums (a bf16 weight, or autocast), or sums in a dtype not the weight's."""
+    return dtype != weight.dtype or dtype.itemsize < 4
+
+
+def _weight_by_vocab_blocks(rows, matrix, targets, grad_weight, scratch, elements, block_grad):
+    """The weight's gradient block by block of vocabulary rows, each over every token in one
+    matmul, rounded once as stock's single matmul (cut-cross-entropy's order): the block's logits
+    are recomputed, and ``block_grad(logits, one_hot)`` turns them into their gradient in place,
+    ``one_hot`` being the (token, column) of the targets inside the block."""
+    columns = max(1, elements // max(1, rows.shape[0]))
+    for block, one_hot in enumerate(_one_hot_blocks(targets, matrix.shape[0], columns)):
+        part = slice(block * columns, (block + 1) * columns)
+        logits = torch.mm(rows, matrix[part].T, out=scratch.logits(rows.shape[0], matrix[part].shape[0]))
+        grad = block_grad(logits, one_hot)
+        if grad.dtype == grad_weight.dtype:
+            torch.mm(grad.T, rows, out=grad_weight[part])
+        else:  # under autocast: the bf16 product cast to the fp32 weight's dtype, as stock's
+            grad_weight[part] = grad.T @ rows
 
 
 def _one_hot_blocks(targets, vocab, columns):
@@ -120,6 +141,46 @@ def _one_hot_blocks(targets, vocab, columns):
     ]
 
 
+def _token_chunk(chunk, matrix, target, scale, scratch, grad_weight):
+    """One chunk of token rows over the whole vocabulary: (sum of their losses, their log-sum-exp,
+    their hidden states' gradient or None); adds their part of the weight's gradient to
+    ``grad_weight`` when given.
+
+    The exponentials of the log-sum-exp are the softmax's too: one ``exp`` pass over the fp32
+    logits, then the gradient ``(softmax - one_hot) * scale`` in the matmul's dtype."""
+    logits = torch.mm(chunk, matrix.T, out=scratch.logits(chunk.shape[0], matrix.shape[0]))
+    rows = torch.arange(target.numel(), device=target.device)
+    picked = logits[rows, target].float()
+    top = logits.amax(dim=-1).float()
+    exp = scratch.upcast(logits).sub_(top[:, None]).exp_()
+    total = exp.sum(dim=-1)
+    lse = top + total.log()
+    loss = (lse - picked).sum()
+    if scale is None:
+        return loss, lse, None
+    factor = scale / total
+    at_target = exp[rows, target] * factor - scale
+    grad = _downcast(exp.mul_(factor[:, None]), logits)
+    grad[rows, target] = at_target.to(grad.dtype)
+    if grad_weight is not None:
+        grad_weight.addmm_(grad.T, chunk)
+    return loss, lse, grad @ matrix
+
+
+def _loss_block_grad(scratch, shift, scale):
+    """``block_grad`` of the loss: ``shift`` is each token's log-sum-exp minus ``log(scale)``, so
+    one ``exp`` makes softmax * scale; ``scale`` is taken off at the targets."""
+
+    def block_grad(logits, one_hot):
+        exp = scratch.upcast(logits).sub_(shift[:, None]).exp_()
+        at_target = exp[one_hot] - scale
+        grad = _downcast(exp, logits)
+        grad[one_hot] = at_target.to(grad.dtype)
+        return grad
+
+    return block_grad
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Sum of the cross-entropy over the valid rows, times ``scale``; gradients made in the forward.
 
@@ -130,9 +191,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     token: where it and the matmul are fp32 it is accumulated in place chunk by chunk. Where the
     matmul rounds to 2 bytes (a bf16 weight, or autocast), each partial sum would be rounded, an
     error growing with the number of chunks; then a second pass goes over blocks of vocabulary
-    rows, recomputes each block's logits for all tokens (from the first pass's log-sum-exp) and
-    makes its rows of the gradient in one matmul over all tokens, rounded once as stock's
-    (cut-cross-entropy's order): one matmul more per logit, and no accumulator.
+    rows (``_weight_by_vocab_blocks``, from the first pass's log-sum-exp): one matmul more per
+    logit, and no accumulator.
     """
 
     @staticmethod
@@ -140,30 +200,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
         index, targets = valid  # the rows that count and their labels (see linear_cross_entropy)
         dtype, elements = plan
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        by_blocks = want_weight and (dtype != weight.dtype or dtype.itemsize < 4)
+        by_blocks = want_weight and _rounds_per_chunk(dtype, weight)
         grad_scale = scale if want_hidden or (want_weight and not by_blocks) else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros_like(weight) if want_weight else None
+        # The vocabulary pass writes every row of the weight's gradient; the in-place sum starts at 0.
+        grad_weight = (torch.empty_like if by_blocks else torch.zeros_like)(weight) if want_weight else None
         in_place = None if by_blocks else grad_weight
         with torch.autocast(weight.device.type, enabled=False):
             rows = hidden.index_select(0, index).to(dtype)  # lm_head's input, valid rows only
             matrix = weight.to(dtype)  # under autocast its cast, as autocast's cache keeps one
             lse = torch.empty(index.numel(), dtype=torch.float32, device=hidden.device)
+            scratch = _Scratch(min(elements, index.numel() * weight.shape[0]), dtype, hidden.device)
             step = max(1, elements // weight.shape[0])
             for start in range(0, index.numel(), step):
                 part = slice(start, start + step)
-                loss, lse[part], grad = _token_chunk(rows[part], matrix, targets[part], grad_scale, in_place)
+                chunk = (rows[part], matrix, targets[part], grad_scale, scratch, in_place)
+                loss, lse[part], grad = _token_chunk(*chunk)
                 total += loss
                 if want_hidden:
                     grad_hidden.index_copy_(0, index[part], grad.to(hidden.dtype))
             if by_blocks:
-                columns = max(1, elements // max(1, index.numel()))
-                blocks = _one_hot_blocks(targets, weight.shape[0], columns)
-                shift = lse - scale.log()
-                for block, one_hot in enumerate(blocks):
-                    part = slice(block * columns, (block + 1) * columns)
-                    grad_weight[part] = _vocab_block(rows, matrix[part], shift, one_hot, scale)
+                block_grad = _loss_block_grad(scratch, lse - scale.log(), scale)
+                _weight_by_vocab_blocks(rows, matrix, targets, grad_weight, scratch, elements, block_grad)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total * scale
 
@@ -225,62 +284,105 @@ def linear_cross_entropy(
     else:
         divisor = torch.ones((), device=flat.device)
     scale = 1.0 / divisor.to(torch.float32)
-    # The fp32 logits, and beside them the matmul's output or the gradient when it is 2-byte.
-    per_logit = 4 + (dtype.itemsize if dtype.itemsize < 4 else 0)
-    plan = (dtype, _elements(chunk_size, chunk_bytes, weight.shape[0], per_logit))
+    plan = (dtype, _elements(chunk_size, chunk_bytes, weight.shape[0], _Scratch.bytes_per_logit(dtype)))
     return _LinearCrossEntropy.apply(flat, weight, (index, labels[index]), scale, plan)
 
 
-def _chunk_stats(chunk, weight, target, temperature):
-    """fp32 logits / T of a chunk, with their log-probs of ``target``, softmax and entropy."""
-    logits = (chunk @ weight.T).float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    probs = logp.exp()
-    entropy = -(probs * logp).sum(-1)
-    return logp, probs, logp.gather(1, target[:, None]).squeeze(1), entropy
+def _logprob_stats(chunk, matrix, target, temperature, scratch):
+    """(log-prob of ``target``, entropy, log-sum-exp) per row of a chunk, of its fp32 logits / T:
+    with ``y`` the logits minus their row maximum and ``e = exp(y)``, ``lse = max + log sum e``
+    and the entropy ``log sum e - sum(e * y) / sum e``."""
+    logits = torch.mm(chunk, matrix.T, out=scratch.logits(chunk.shape[0], matrix.shape[0]))
+    scaled = scratch.upcast(logits).div_(temperature)
+    rows = torch.arange(target.numel(), device=target.device)
+    picked = scaled[rows, target]
+    top = scaled.amax(dim=-1)
+    shifted = scaled.sub_(top[:, None])
+    exp = torch.exp(shifted, out=scratch.spare(shifted))
+    total = exp.sum(dim=-1)
+    log_total = total.log()
+    lse = top + log_total
+    entropy = log_total - torch.einsum("rv,rv->r", exp, shifted) / total
+    return picked - lse, entropy, lse
+
+
+def _logprob_grad(scratch, temperature, lse, slope, offset, at_target):
+    """``block_grad`` of the log-probs and entropy, for a tile of rows (tokens) and columns: with
+    ``logp`` the tile's log-softmax and ``p`` its softmax, the logits' gradient is
+    ``p * (slope * logp + offset)`` per row, plus ``at_target`` at the targets, over ``T``:
+    d logp[t] / dz = onehot(t) - p, d entropy / dz = -p * (log p + entropy)."""
+
+    def block_grad(logits, one_hot):
+        logp = scratch.upcast(logits).div_(temperature).sub_(lse[:, None])
+        probs = torch.exp(logp, out=scratch.spare(logp))
+        grad = logp.mul_(slope[:, None]).add_(offset[:, None]).mul_(probs)
+        grad[one_hot] += at_target[one_hot[0]]
+        return _downcast(grad, logits)
+
+    return block_grad
+
+
+def _logprob_scratch(hidden, weight, plan):
+    """The scratch of ``linear_logprobs`` (with the spare buffer for the softmax beside the log-probs)."""
+    dtype, elements = plan
+    return _Scratch(min(elements, hidden.shape[0] * weight.shape[0]), dtype, hidden.device, spare=True)
 
 
 class _LinearLogprobs(torch.autograd.Function):
-    """Per-row log-prob of ``tokens`` and entropy; the backward recomputes each chunk."""
+    """Per-row log-prob of ``tokens`` and entropy; the backward recomputes each chunk's logits.
+
+    The hidden states' gradient comes from chunks of token rows over the whole vocabulary; the
+    weight's, as in ``_LinearCrossEntropy``: in place chunk by chunk in fp32, by blocks of the
+    vocabulary over all tokens where the matmul rounds to 2 bytes."""
 
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, plan):
+        ctx.temperature, ctx.plan = temperature, plan
         dtype, elements = plan
         rows = max(1, elements // weight.shape[0])
         logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty_like(logprobs)
+        entropy, lse = torch.empty_like(logprobs), torch.empty_like(logprobs)
         with torch.autocast(weight.device.type, enabled=False):
             matrix = weight.to(dtype)  # under autocast its cast, as autocast's cache keeps one
+            scratch = _logprob_scratch(hidden, weight, plan)
             for start in range(0, hidden.shape[0], rows):
                 part = slice(start, start + rows)
-                stats = _chunk_stats(hidden[part].to(dtype), matrix, tokens[part], temperature)
-                logprobs[part], entropy[part] = stats[2], stats[3]
-        ctx.save_for_backward(hidden, weight, tokens, entropy)
-        ctx.temperature, ctx.rows, ctx.dtype = temperature, rows, dtype
+                chunk = (hidden[part].to(dtype), matrix, tokens[part], temperature, scratch)
+                logprobs[part], entropy[part], lse[part] = _logprob_stats(*chunk)
+        ctx.save_for_backward(hidden, weight, tokens, entropy, lse)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, tokens, entropy = ctx.saved_tensors
+        hidden, weight, tokens, entropy, lse = ctx.saved_tensors
+        (dtype, elements), temperature = ctx.plan, ctx.temperature
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        by_blocks = want_weight and _rounds_per_chunk(dtype, weight)
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros_like(weight) if want_weight else None
+        grad_weight = (torch.empty_like if by_blocks else torch.zeros_like)(weight) if want_weight else None
+        # An output the loss does not use gets zeros here (autograd materialises them).
+        slope = -grad_entropy.float() / temperature
+        at_target = grad_logprobs.float() / temperature
+        offset = slope * entropy - at_target
         with torch.autocast(weight.device.type, enabled=False):
-            matrix = weight.to(ctx.dtype)
-            for start in range(0, hidden.shape[0], ctx.rows):
-                part = slice(start, start + ctx.rows)
-                chunk, target = hidden[part].to(ctx.dtype), tokens[part]
-                logp, probs, _, _ = _chunk_stats(chunk, matrix, target, ctx.temperature)
-                # d logp[t] / dz = onehot(t) - p;  d entropy / dz = -p * (log p + entropy)
-                grad = probs * (logp + entropy[part, None]) * -grad_entropy[part, None].float()
-                grad -= probs * grad_logprobs[part, None].float()
-                grad[torch.arange(target.numel(), device=grad.device), target] += grad_logprobs[part].float()
-                grad = (grad / ctx.temperature).to(ctx.dtype)
+            matrix = weight.to(dtype)
+            rows = hidden.to(dtype)
+            scratch = _logprob_scratch(hidden, weight, ctx.plan)
+            step = max(1, elements // weight.shape[0])
+            for start in range(0, hidden.shape[0], step):
+                part = slice(start, start + step)
+                chunk = rows[part]
+                logits = torch.mm(chunk, matrix.T, out=scratch.logits(chunk.shape[0], matrix.shape[0]))
+                one_hot = (torch.arange(chunk.shape[0], device=chunk.device), tokens[part])
+                args = (lse[part], slope[part], offset[part], at_target[part])
+                grad = _logprob_grad(scratch, temperature, *args)(logits, one_hot)
                 if want_hidden:
                     grad_hidden[part] = grad @ matrix
-                if want_weight:
-                    # Under autocast an fp32 weight's gradient sums the bf16 products in fp32.
-                    grad_weight.addmm_(grad.T.to(weight.dtype), chunk.to(weight.dtype))
+                if want_weight and not by_blocks:
+                    grad_weight.addmm_(grad.T, chunk)
+            if by_blocks:
+                block_grad = _logprob_grad(scratch, temperature, lse, slope, offset, at_target)
+                _weight_by_vocab_blocks(rows, matrix, tokens, grad_weight, scratch, elements, block_grad)
         return grad_hidden, grad_weight, None, None, None
 
 
@@ -310,8 +412,8 @@ def linear_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     flat = hidden.reshape(-1, hidden.shape[-1])
-    # The fp32 logits, log-probs, probabilities and two products of them at once (the backward).
-    plan = (dtype, _elements(chunk_size, chunk_bytes, weight.shape[0], 20))
+    per_logit = _Scratch.bytes_per_logit(dtype, spare=True)
+    plan = (dtype, _elements(chunk_size, chunk_bytes, weight.shape[0], per_logit))
     tokens_flat = tokens.reshape(-1).to(flat.device)
     logprobs, entropy = _LinearLogprobs.apply(flat, weight, tokens_flat, temperature, plan)
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from npu_autopatch import losses
 from npu_autopatch.losses import linear_cross_entropy, linear_logprobs
 from npu_autopatch.testing.parity import errors_vs_fp64, lm_head_loss_reference
 
@@ -119,6 +120,29 @@ def test_a_memory_budget_sets_the_chunks_and_changes_no_result(dtype):
     expected = linear_cross_entropy(hidden, weight, labels, chunk_size=1000)
     _close([got], [expected], dtype)
     _close(_grads(got, hidden, weight), _grads(expected, hidden, weight), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_more_tokens_than_a_budget_of_logits_still_fit(dtype):
+    """A budget of one vocabulary row of logits with more tokens than the vocabulary has rows: a block
+    of the vocabulary pass (one vocabulary row for every token) is then larger than the budget, and the
+    scratch holds it; the chunks are cut evenly (7 rows at most 5 a chunk are 4 and 3, not 5 and 2)."""
+    hidden, weight, labels = _inputs(dtype, batch=4, length=40)  # 160 tokens, vocabulary 97
+    one_row = VOCAB * (4 + (2 if dtype == torch.bfloat16 else 0))
+    got = linear_cross_entropy(hidden, weight, labels, chunk_bytes=one_row)
+    expected = _stock_loss(hidden, weight, labels)
+    _close([got], [expected], dtype)
+    _close(_grads(got, hidden, weight), _grads(expected, hidden, weight), dtype)
+    tokens = labels.clamp(min=0)
+    got = linear_logprobs(hidden, weight, tokens, chunk_bytes=one_row)
+    expected = _reference_logprobs(hidden, weight, tokens, 1.0)
+    _close(got, expected, dtype)
+    _close(
+        _grads(got[0].sum() + got[1].sum(), hidden, weight),
+        _grads(expected[0].sum() + expected[1].sum(), hidden, weight),
+        dtype,
+    )
+    assert losses._even_step(7, 5) == 4 and losses._even_step(1843, 883) == 615
 
 
 def test_the_bf16_weight_gradient_is_as_close_to_fp64_as_stocks_over_many_chunks():

@@ -65,6 +65,22 @@ def _elements(chunk_size: int | None, chunk_bytes: int | None, vocab: int, per_l
     return max(vocab, budget // per_logit)
 
 
+def _even_step(total: int, most: int) -> int:
+    """The step that cuts ``total`` rows into the fewest parts of at most ``most`` rows, all of
+    about one size: 1,843 rows at most 883 a part are 3 parts of 615, not 883, 883 and 77 (a thin
+    last matmul runs far below the others' rate)."""
+    parts = max(1, -(-total // max(1, most)))
+    return max(1, -(-total // parts))
+
+
+def _tiles(tokens: int, vocab: int, elements: int) -> tuple[int, int, int]:
+    """(token rows per chunk, vocabulary rows per block, the scratch's elements) for ``elements``
+    logits at once: a chunk is rows x the whole vocabulary, a block all tokens x its rows."""
+    rows = _even_step(tokens, elements // vocab)
+    columns = _even_step(vocab, elements // max(1, tokens))
+    return rows, columns, max(min(rows, tokens) * vocab, tokens * columns)
+
+
 class _Scratch:
     """One call's chunk memory, allocated once and reused by every chunk and block: the matmul's
     output in its dtype, an fp32 copy beside it when that dtype is 2-byte, and on request a spare
@@ -113,12 +129,11 @@ def _rounds_per_chunk(dtype: torch.dtype, weight: torch.Tensor) -> bool:
     return dtype != weight.dtype or dtype.itemsize < 4
 
 
-def _weight_by_vocab_blocks(rows, matrix, targets, grad_weight, scratch, elements, block_grad):
+def _weight_by_vocab_blocks(rows, matrix, targets, grad_weight, scratch, columns, block_grad):
     """The weight's gradient block by block of vocabulary rows, each over every token in one
     matmul, rounded once as stock's single matmul (cut-cross-entropy's order): the block's logits
     are recomputed, and ``block_grad(logits, one_hot)`` turns them into their gradient in place,
     ``one_hot`` being the (token, column) of the targets inside the block."""
-    columns = max(1, elements // max(1, rows.shape[0]))
     for block, one_hot in enumerate(_one_hot_blocks(targets, matrix.shape[0], columns)):
         part = slice(block * columns, (block + 1) * columns)
         logits = torch.mm(rows, matrix[part].T, out=scratch.logits(rows.shape[0], matrix[part].shape[0]))
@@ -211,8 +226,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows = hidden.index_select(0, index).to(dtype)  # lm_head's input, valid rows only
             matrix = weight.to(dtype)  # under autocast its cast, as autocast's cache keeps one
             lse = torch.empty(index.numel(), dtype=torch.float32, device=hidden.device)
-            scratch = _Scratch(min(elements, index.numel() * weight.shape[0]), dtype, hidden.device)
-            step = max(1, elements // weight.shape[0])
+            step, columns, size = _tiles(index.numel(), weight.shape[0], elements)
+            scratch = _Scratch(size, dtype, hidden.device)
             for start in range(0, index.numel(), step):
                 part = slice(start, start + step)
                 chunk = (rows[part], matrix, targets[part], grad_scale, scratch, in_place)
@@ -222,7 +237,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_hidden.index_copy_(0, index[part], grad.to(hidden.dtype))
             if by_blocks:
                 block_grad = _loss_block_grad(scratch, lse - scale.log(), scale)
-                _weight_by_vocab_blocks(rows, matrix, targets, grad_weight, scratch, elements, block_grad)
+                _weight_by_vocab_blocks(rows, matrix, targets, grad_weight, scratch, columns, block_grad)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total * scale
 
@@ -263,7 +278,7 @@ def linear_cross_entropy(
     the matmul runs in autocast's dtype and the rest in fp32, as lm_head and the loss do there,
     and each input's gradient comes back in its own dtype), ``labels`` ``hidden.shape[:-1]``.
     ``chunk_bytes``: the memory one chunk's logits and their gradient may take (default
-    ``CHUNK_BYTES``); ``chunk_size``, rows of logits per chunk, overrides it.
+    ``CHUNK_BYTES``); ``chunk_size``, at most that many rows of logits per chunk, overrides it.
     Gradients flow to ``hidden`` and ``weight`` (computed during this call, applied in backward).
     """
     dtype = _check(hidden, weight)
@@ -322,10 +337,12 @@ def _logprob_grad(scratch, temperature, lse, slope, offset, at_target):
     return block_grad
 
 
-def _logprob_scratch(hidden, weight, plan):
-    """The scratch of ``linear_logprobs`` (with the spare buffer for the softmax beside the log-probs)."""
+def _logprob_tiles(hidden, weight, plan):
+    """``linear_logprobs``' rows per chunk, columns per block and scratch (with the spare buffer for
+    the softmax beside the log-probs)."""
     dtype, elements = plan
-    return _Scratch(min(elements, hidden.shape[0] * weight.shape[0]), dtype, hidden.device, spare=True)
+    rows, columns, size = _tiles(hidden.shape[0], weight.shape[0], elements)
+    return rows, columns, _Scratch(size, dtype, hidden.device, spare=True)
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -338,15 +355,14 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, plan):
         ctx.temperature, ctx.plan = temperature, plan
-        dtype, elements = plan
-        rows = max(1, elements // weight.shape[0])
+        dtype = plan[0]
         logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropy, lse = torch.empty_like(logprobs), torch.empty_like(logprobs)
         with torch.autocast(weight.device.type, enabled=False):
             matrix = weight.to(dtype)  # under autocast its cast, as autocast's cache keeps one
-            scratch = _logprob_scratch(hidden, weight, plan)
-            for start in range(0, hidden.shape[0], rows):
-                part = slice(start, start + rows)
+            step, _, scratch = _logprob_tiles(hidden, weight, plan)
+            for start in range(0, hidden.shape[0], step):
+                part = slice(start, start + step)
                 chunk = (hidden[part].to(dtype), matrix, tokens[part], temperature, scratch)
                 logprobs[part], entropy[part], lse[part] = _logprob_stats(*chunk)
         ctx.save_for_backward(hidden, weight, tokens, entropy, lse)
@@ -355,7 +371,7 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, tokens, entropy, lse = ctx.saved_tensors
-        (dtype, elements), temperature = ctx.plan, ctx.temperature
+        dtype, temperature = ctx.plan[0], ctx.temperature
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         by_blocks = want_weight and _rounds_per_chunk(dtype, weight)
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
@@ -367,8 +383,7 @@ class _LinearLogprobs(torch.autograd.Function):
         with torch.autocast(weight.device.type, enabled=False):
             matrix = weight.to(dtype)
             rows = hidden.to(dtype)
-            scratch = _logprob_scratch(hidden, weight, ctx.plan)
-            step = max(1, elements // weight.shape[0])
+            step, columns, scratch = _logprob_tiles(hidden, weight, ctx.plan)
             for start in range(0, hidden.shape[0], step):
                 part = slice(start, start + step)
                 chunk = rows[part]
@@ -382,7 +397,7 @@ class _LinearLogprobs(torch.autograd.Function):
                     grad_weight.addmm_(grad.T, chunk)
             if by_blocks:
                 block_grad = _logprob_grad(scratch, temperature, lse, slope, offset, at_target)
-                _weight_by_vocab_blocks(rows, matrix, tokens, grad_weight, scratch, elements, block_grad)
+                _weight_by_vocab_blocks(rows, matrix, tokens, grad_weight, scratch, columns, block_grad)
         return grad_hidden, grad_weight, None, None, None
 
 

@@ -277,8 +277,9 @@ def linear_cross_entropy(
     ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]`` (same dtype, or any under autocast: then
     the matmul runs in autocast's dtype and the rest in fp32, as lm_head and the loss do there,
     and each input's gradient comes back in its own dtype), ``labels`` ``hidden.shape[:-1]``.
-    ``chunk_bytes``: the memory one chunk's logits and their gradient may take (default
-    ``CHUNK_BYTES``); ``chunk_size``, at most that many rows of logits per chunk, overrides it.
+    ``chunk_bytes``: the memory the call's chunks work in (its scratch: the logits of a chunk of
+    token rows or of a block of the vocabulary, and their gradient; default ``CHUNK_BYTES``);
+    ``chunk_size``, at most that many rows of logits per chunk, overrides it.
     Gradients flow to ``hidden`` and ``weight`` (computed during this call, applied in backward).
     """
     dtype = _check(hidden, weight)

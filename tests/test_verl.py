@@ -14,13 +14,8 @@ scenario runs in a fresh interpreter on the CPU stand-in; every scenario builds 
 models and runs one training step, so their op counts, logits and gradients compare.
 """
 
-import hashlib
 import json
-import os
 import re
-import subprocess
-import sys
-import zipfile
 
 import pytest
 import torch
@@ -28,6 +23,7 @@ import transformers
 
 from npu_autopatch.testing.parity import TOLERANCE, relative_error
 
+from ._wheels import package_site, wheel, wheel_files
 from .conftest import FULL, STAND_IN_SITE, kernel_ops, present, run_python, selected_values
 
 VERL = "verl==0.9.1"
@@ -53,45 +49,8 @@ V4 = transformers.__version__.startswith("4.")
 @pytest.fixture(scope="module")
 def verl_site(tmp_path_factory):
     """A directory for PYTHONPATH where ``verl.models.transformers.npu_patch`` is verl 0.9.1's file."""
-    wheels = tmp_path_factory.mktemp("verl-wheel")
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary",
-        ":all:",
-        "-d",
-        wheels,
-        VERL,
-    ]
-    try:
-        download = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        failure = download.stderr.strip().splitlines()[-1:] if download.returncode else None
-    except subprocess.TimeoutExpired:
-        failure = ["no answer in 300 s"]
-    if failure is not None:
-        reason = f"could not download {VERL} from the package index: {' '.join(failure) or 'pip failed'}"
-        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
-            pytest.fail(f"{reason} (CI=true: CI has the index and must run these)")
-        pytest.skip(reason)  # a clone without a registry: said, not failed
-    (wheel,) = wheels.glob("verl-0.9.1-*.whl")
-    with zipfile.ZipFile(wheel) as archive:
-        source = archive.read(NPU_PATCH)
-    assert hashlib.sha256(source).hexdigest() == NPU_PATCH_SHA256, "not verl 0.9.1's npu_patch.py"
-    return _site(tmp_path_factory.mktemp("verl-site"), NPU_PATCH, source)
-
-
-def _site(root, path, source):
-    """``root`` with ``source`` at ``path`` and an empty ``__init__.py`` in each package above it."""
-    target = root / path
-    target.parent.mkdir(parents=True)
-    target.write_bytes(source)
-    for package in target.relative_to(root).parents:
-        if str(package) != ".":
-            (root / package / "__init__.py").touch()
-    return root
+    files = wheel_files(wheel(tmp_path_factory, VERL), {NPU_PATCH: NPU_PATCH_SHA256})
+    return package_site(tmp_path_factory.mktemp("verl-site"), files)
 
 
 # One training step of each tiny model after the scenario's patching: op counts, states, the
@@ -309,7 +268,7 @@ MOVED = "verl/workers/npu/patches.py"
 def test_verls_function_is_found_by_what_its_module_defines_wherever_it_moves(verl_site, tmp_path):
     """verl 0.9.1's file under another module name of verl, beside a module that only imports its
     function: the one that defines it is patched, the other left alone."""
-    site = _site(tmp_path, MOVED, (verl_site / NPU_PATCH).read_bytes())
+    site = package_site(tmp_path, {MOVED: (verl_site / NPU_PATCH).read_bytes()})
     (site / "verl" / "reexport.py").write_text("from verl.workers.npu.patches import apply_npu_patches\n")
     done = run_python(
         """
@@ -351,7 +310,7 @@ SHAPE_CASES = [
 
 @pytest.mark.parametrize("source", SHAPE_CASES)
 def test_code_of_another_shape_is_refused_with_the_reason_and_left_running(source, tmp_path):
-    site = _site(tmp_path, "verl/npu_patch.py", source.encode())
+    site = package_site(tmp_path, {"verl/npu_patch.py": source.encode()})
     done = run_python(
         """
         import npu_autopatch, torch_npu, transformers

@@ -272,7 +272,8 @@ def _tell(rec):
     STATE.overrides_told.add(told)
     _log.warning(
         f"{rec.model}: overridden (replaced-after-us): {rec.cause}; that code runs there, not our kernel "
-        "(status() and report(model) say so)"
+        "(status() and report(model) say so)",
+        insist=True,
     )
 
 

@@ -9,11 +9,15 @@ wrappers to the function that runs (_classify._captured), and, when that is anot
 notes its holder on the slot (``Slot.bypassed``); status() then says ``overridden`` and names it
 (_records), and the WARNING is logged once, on rank 0 (_records._tell).
 
-``watch()`` puts one global forward pre-hook in torch (``register_module_forward_pre_hook``) once
-anything is patched: the first call of a module not seen yet (a model's outermost module, when it
-first runs) records it and every module below it, and marks them seen; every later call costs one
-weak-set lookup. Under torch.compile the hook returns at once (nothing to trace). A module whose
-forward is set after its model first ran is found by ``report(model)``, which records the model too.
+``watch()`` puts one global forward pre-hook in torch (``register_module_forward_pre_hook``) each
+time something is patched (after every import we hook): the first call of a module not seen yet (a
+model's outermost module, when it first runs) records it and every module below it, and marks them
+seen. Once a model holding one of our kernels has been read, the hook takes itself out, so that a
+training loop's module calls do not pay for it (a global hook sends every module call through
+torch's slow path) and torch.compile does not warn about it; until then, under torch.compile it
+returns at once. A model built and run after that, with no import we hook in between (a second
+model of a type already imported), and a forward set after its model first ran, are found by
+``report(model)``, which records the model it reads.
 
 Torch is imported by the caller (patching has happened); never at interpreter start.
 """
@@ -30,13 +34,19 @@ _HANDLE = []  # the global pre-hook's handle, once installed
 
 
 def watch():
-    """Install the global forward pre-hook, once per process (torch is imported by now)."""
+    """Install the global forward pre-hook until a model of ours runs (torch is imported by now)."""
     if _HANDLE:
         return
     torch = sys.modules.get("torch")
     if torch is None:
         return
     _HANDLE.append(torch.nn.modules.module.register_module_forward_pre_hook(_first_run))
+
+
+def _unwatch():
+    """Take the pre-hook out (a model holding our kernels was read)."""
+    while _HANDLE:
+        _HANDLE.pop().remove()
 
 
 def _first_run(module, args):
@@ -51,16 +61,19 @@ def _first_run(module, args):
     try:
         modules = list(module.modules())
         _SEEN.update(modules)
-        if record(modules):
+        new, ours = record(modules)
+        if new:
             sys.modules["npu_autopatch._records"].tell_overrides()
+        if ours:
+            _unwatch()
     except Exception as exc:  # the user's forward must go on
         _log.warning(f"could not check the instances of {type(module).__qualname__} for forwards: {exc!r}")
     return None
 
 
 def record(modules):
-    """Note on our slots the other libraries' forwards set on these modules' instances; whether any
-    was new."""
+    """Note on our slots the other libraries' forwards set on these modules' instances: (whether any
+    was new, whether any module holds one of our kernels)."""
     with locked:
         slots = [
             slot
@@ -71,21 +84,20 @@ def record(modules):
             and slot.current() is slot.replacement
         ]
         if not slots:
-            return False
+            return False, False
         ours = {id(slot.replacement) for slot in STATE.slots.values()}
-        new = False
+        new = held = False
         for module in modules:
-            if "forward" not in vars(module):
-                continue
             holding = [slot for slot in slots if isinstance(module, slot.owner)]
-            if not holding:
+            held = held or bool(holding)
+            if not holding or "forward" not in vars(module):
                 continue
             holder = _foreign(module, ours)
             for slot in holding:
                 if holder is not None and holder not in slot.bypassed:
                     slot.bypassed[holder] = None
                     new = True
-        return new
+        return new, held
 
 
 def _foreign(module, ours):

@@ -226,6 +226,18 @@ REPLACED = {
         ],
     },
 }
+# The module classes report(model) says run the framework's code (ms-swift rebinds the norm's name).
+THEIRS = {
+    "swift": {
+        "qwen3": {"NpuRMSNorm", "Qwen3MLP"},
+        "qwen3_moe": {"NpuRMSNorm", "Qwen3MoeSparseMoeBlock"} | (set() if V4 else {"Qwen3MoeExperts"}),
+    },
+    "llamafactory": {
+        "qwen3": {"Qwen3RMSNorm", "Qwen3MLP"},
+        "qwen3_moe": {"Qwen3MoeRMSNorm", "Qwen3MoeMLP"}
+        | ({"Qwen3MoeSparseMoeBlock"} if V4 else {"Qwen3MoeExperts"}),
+    },
+}
 SUBSET = "npu_fused_rmsnorm,npu_fused_swiglu,npu_fused_moe"  # LLaMA-Factory's kernels but the rotary
 
 
@@ -252,6 +264,8 @@ def test_with_step_aside_off_theirs_runs_and_status_names_every_target_it_replac
                 mine["reason"],
             )
         _assert_theirs_in_report(mine, home, rope=True)
+        foreign = {name for name, (runs_, _by) in mine["targets"].items() if runs_.get("foreign")}
+        assert foreign == THEIRS[framework][model_type], (model_type, mine["targets"])
         warned = re.findall(
             rf"WARNING npu-autopatch: {model_type}: overridden \(replaced-after-us\): .*", stderr
         )

@@ -315,3 +315,72 @@ def test_llamafactorys_subset_of_kernels_is_never_applied_while_its_code_runs(ru
         assert foreign and foreign <= flagged, (foreign, mine["flags"])
         assert mine["ops"].get("npu_rotary_mul"), mine["ops"]
     assert len(re.findall(r"WARNING npu-autopatch: qwen3: overridden", stderr)) == 1, stderr[-3000:]
+
+
+# LLaMA-Factory main's interface has no wheel on the package index (tests of its real file would need a
+# download from GitHub at a pinned commit): its shape, written here, is what the step-aside relies on.
+MAIN_SHAPED_INTERFACE = """
+def apply_kernels(model, config, require_logits=False):
+    model.kernels_applied = config["name"]
+    return model
+
+
+def apply_kernel(kernel_id, **kwargs):
+    return apply_kernels(kwargs["model"], {"name": kernel_id})
+"""
+# ms-swift's apply_patch in another shape: no apply_patch_map to narrow.
+SWIFT_OTHER_SHAPE = "def apply_patch():\n    return None\n"
+
+
+def test_llamafactory_mains_apply_kernels_and_code_of_another_shape(tmp_path):
+    """main's ``apply_kernels(model, config)`` (the v1 engine's and ``apply_v1_kernels``' way) is
+    stepped aside for a model of ours, by position or keyword, and runs for a model we do not patch;
+    ms-swift's ``apply_patch`` of another shape is refused with the reason and left running."""
+    site = package_site(
+        tmp_path,
+        {
+            "llamafactory/v1/plugins/model_plugins/kernels/interface.py": MAIN_SHAPED_INTERFACE.encode(),
+            "swift/model/npu_patch/model.py": SWIFT_OTHER_SHAPE.encode(),
+        },
+    )
+    done = run_python(
+        """
+        import json, logging
+        logging.basicConfig(level=logging.INFO)
+        import torch_npu, npu_autopatch
+        from npu_autopatch.testing import tiny
+        from llamafactory.v1.plugins.model_plugins.kernels import interface
+        import swift.model.npu_patch.model as swift_model
+        ours, other = tiny.tiny_model("qwen3"), tiny.tiny_model("llama")
+        interface.apply_kernels(ours, {"name": "auto"})
+        interface.apply_kernels(model=ours, config={"name": "auto"})
+        interface.apply_kernel("npu_fused_rmsnorm", model=other)
+        records = npu_autopatch.status()
+        entries = {e: records[e] for e in ("llamafactory_kernels", "swift_npu_patch")}
+        print(json.dumps({
+            "ours": getattr(ours, "kernels_applied", None),
+            "other": getattr(other, "kernels_applied", None),
+            "entries": {e: [str(r.state), str(r.code), r.reason, list(r.targets)] for e, r in
+                        entries.items()},
+            "swift_left": swift_model.apply_patch.__module__,
+        }))
+        """,
+        PYTHONPATH=f"{STAND_IN_SITE}:{site}",
+        NPU_AUTOPATCH="1",
+        NPU_AUTOPATCH_EXCLUDE="llama",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["ours"] is None and got["other"] == "npu_fused_rmsnorm", got
+    state, code, _reason, targets = got["entries"]["llamafactory_kernels"]
+    assert (state, code, targets) == ("applied", "None", [f"{LF_WHERE}.interface:apply_kernels"]), got
+    state, code, reason, _targets = got["entries"]["swift_npu_patch"]
+    assert (state, code) == ("skipped", "math-differs"), got
+    assert (
+        f"{SWIFT_WHERE}.apply_patch: it does not apply its tables through the global apply_patch_map"
+        in reason
+    )
+    assert "ms-swift's patch runs as without us" in reason and got["swift_left"] == SWIFT_WHERE
+    assert len(re.findall("LLaMA-Factory's NPU patch .* steps aside for qwen3", done.stderr)) == 1, (
+        done.stderr
+    )

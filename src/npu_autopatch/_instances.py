@@ -51,7 +51,10 @@ def _unwatch():
 
 def _first_run(module, args):
     """The pre-hook: record a module (and everything below it) the first time it runs."""
-    if sys.modules["torch"].compiler.is_compiling() or not STATE.enabled:
+    if not STATE.enabled:
+        _unwatch()  # disable() came first: nothing of ours to bypass
+        return None
+    if sys.modules["torch"].compiler.is_compiling():
         return None
     if _GENERATION[0] != STATE.generation:  # a new enable(): its kernels are new, look again
         _SEEN.clear()

@@ -266,7 +266,7 @@ def _tell(rec):
     """
     if rec is None or rec.code is not ReasonCode.REPLACED_AFTER_US:
         return
-    told = (rec.model, rec.cause)
+    told = (rec.model, rec.cause.replace(NO_CALLS_YET, ""))  # the evidence may go, the override stays
     if told in STATE.overrides_told:
         return
     STATE.overrides_told.add(told)
@@ -341,12 +341,15 @@ def _replaced_forward(slot):
     return f"{where} was replaced after us by {holder}, so {slot.where} no longer runs our kernel"
 
 
+NO_CALLS_YET = " (our kernel there: 0 calls so far)"
+
+
 def _with_calls(where, text):
     """``text`` with the fused-call count of the replacement at ``where`` when it is 0 (the evidence
     that another library's code ran in its place, once the model ran), else as it is."""
     calls = STATE.calls.get(where)
     if calls is not None and calls.fused == 0 and not calls.stock:
-        return f"{text} (our kernel there: 0 calls so far)"
+        return text + NO_CALLS_YET
     return text
 
 

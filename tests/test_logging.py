@@ -111,3 +111,39 @@ def test_a_line_logged_under_the_package_lock_is_written_once_the_lock_is_let_go
                 _log.warning("held back")
             assert caplog.messages == []
         assert caplog.messages == ["npu-autopatch: held back"]
+
+
+def test_the_lines_that_insist_get_past_root_handlers_a_host_set_to_error():
+    """ms-swift sets the root logger's stream handlers to ERROR (swift/utils/logger.py): the lines that
+    another library replaced ours, or stepped aside, are still written (our own stderr handler, rank 0
+    only); the other lines follow the host's configuration; a level set on our logger silences all."""
+    child = run_python(
+        """
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+        for handler in logging.root.handlers:
+            handler.setLevel(logging.ERROR)  # as ms-swift's get_logger() does
+        from npu_autopatch import _log
+        _log.warning("replaced, insisting", insist=True)
+        _log.info("stepped aside, insisting", insist=True)
+        _log.warning("an ordinary warning")
+        logging.getLogger("npu_autopatch").setLevel(logging.ERROR)  # the user's choice
+        _log.warning("silenced by the user", insist=True)
+        """
+    )
+    assert child.returncode == 0, child.stderr
+    assert our_lines(child.stderr) == [
+        "npu_autopatch WARNING npu-autopatch: replaced, insisting",
+        "npu_autopatch INFO npu-autopatch: stepped aside, insisting",
+    ]
+    other_rank = run_python(
+        """
+        import logging
+        logging.basicConfig(level=logging.INFO)
+        logging.root.handlers[0].setLevel(logging.ERROR)
+        from npu_autopatch import _log
+        _log.warning("replaced, insisting", insist=True)
+        """,
+        RANK="1",
+    )
+    assert other_rank.returncode == 0 and our_lines(other_rank.stderr) == [], other_rank.stderr

@@ -172,6 +172,58 @@ def test_a_class_rebound_by_another_library_is_named_not_called_stock(npu_stand_
     assert "LigerLikeRMSNorm" in record.reason and "run stock" not in record.reason, record.reason
 
 
+def users_norm_forward(self, hidden_states):
+    """A user's own forward, set on instances (as LLaMA-Factory's kernels do): not transformers' code."""
+    return hidden_states * self.weight
+
+
+def test_a_forward_set_on_instances_over_ours_is_overridden_when_the_model_first_runs(npu_stand_in, caplog):
+    """Any library's or user's ``module.forward = ...`` over a target we patched: found when the model
+    first runs (status() not asked before), named with its holder among every overridden target, told
+    once; the instances running our kernel through an accelerate-style wrapper are not an override."""
+    import functools
+    import types
+
+    from npu_autopatch.testing import parity, tiny
+
+    npu_autopatch.enable(models=["qwen3"])
+    model = tiny.tiny_model("qwen3")
+    mlp = model.model.layers[0].mlp
+    ours = mlp.forward  # our kernel, bound: a wrapper around it (accelerate's hooks) still runs ours
+    mlp.forward = functools.wraps(ours)(lambda *args, **kwargs: ours(*args, **kwargs))
+    norms = [m for m in model.modules() if isinstance(m, modeling_qwen3.Qwen3RMSNorm)]
+    for norm in norms:
+        norm.forward = types.MethodType(users_norm_forward, norm)
+    caplog.set_level(logging.WARNING, logger="npu_autopatch")
+    ids, labels, inputs = parity.model_batch(model, 1)
+    parity.forward_backward(model, ids, labels, **inputs)
+    told = [r.getMessage() for r in caplog.records if "replaced-after-us" in r.getMessage()]
+    assert len(told) == 1, told  # logged as the model ran, before anyone asked
+    record = npu_autopatch.status()["qwen3"]
+    assert (record.state, record.code) == ("overridden", "replaced-after-us")
+    norm_forward = "transformers.models.qwen3.modeling_qwen3:Qwen3RMSNorm.forward"
+    holder = f"{__name__}.users_norm_forward"
+    assert f"{norm_forward} is bypassed by a forward set on its instances by {holder}" in record.reason
+    assert "(our kernel there: 0 calls so far)" in record.reason  # every norm ran the user's code
+    assert "Qwen3MLP" not in record.reason, record.reason
+    for _look in range(2):
+        npu_autopatch.report(model)
+        npu_autopatch.status()
+    assert len([r for r in caplog.records if "replaced-after-us" in r.getMessage()]) == 1
+    flags = [f for f in npu_autopatch.report(model).flags if f.kind == "instance-forward"]
+    assert [(f.subject, len(f.instances)) for f in flags] == [("Qwen3RMSNorm", len(norms))], flags
+
+
+def test_every_target_replaced_after_us_is_named_not_only_the_first(npu_stand_in, monkeypatch):
+    npu_autopatch.enable(models=["qwen3"])
+    monkeypatch.setattr(modeling_qwen3, "Qwen3RMSNorm", LigerLikeRMSNorm)
+    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", users_norm_forward)
+    monkeypatch.setattr(modeling_qwen3.Qwen3MLP, "forward", users_norm_forward)
+    reason = npu_autopatch.status()["qwen3"].reason
+    for target in ("Qwen3RMSNorm.forward", "apply_rotary_pos_emb", "Qwen3MLP.forward"):
+        assert f"modeling_qwen3:{target} was replaced after us by tests." in reason, (target, reason)
+
+
 def test_a_class_rebound_before_us_is_named_with_the_target_we_wanted(npu_stand_in, monkeypatch):
     """Liger-Kernel rebinds Qwen3RMSNorm to its LigerRMSNorm before we patch: the reason names both."""
     monkeypatch.setattr(modeling_qwen3, "Qwen3RMSNorm", LigerLikeRMSNorm)

@@ -121,10 +121,12 @@ def origin_of(obj, ours) -> tuple[str, str, str | None]:
 def _class_origin(cls, ours):
     """(origin, via, defined_by, kernel) of a class's code: its forward, or another method we replaced."""
     origin, defined_by, kernel = origin_of(cls.forward, ours)
-    if origin != OURS:
+    if origin == STOCK:
         # A method other than forward (4.x DeepSeek-V3's ``moe``) of a module class that computes (has
         # a forward of its own): not a base class's bookkeeping method, such as the default attention
-        # choice on ``PreTrainedModel``, which every model class inherits and none computes with.
+        # choice on ``PreTrainedModel``, which every model class inherits and none computes with. Only
+        # while the class's forward is the model's own: one another library replaced after us (ms-swift's
+        # 5.x experts forward) no longer calls what we replaced, and its code runs.
         for slot in ours.slots:
             if (
                 isinstance(slot.owner, type)
@@ -232,7 +234,10 @@ def module_entry(cls, instances, ours, hooks):
             inner_origin, inner_module, _kernel = origin_of(inner, ours)
             runs_origin = inner_origin
             differs = inner_origin != origin or inner_origin == FOREIGN  # not e.g. an older build of ours
-            if differs and function_of(inner) is not function_of(forward) and not claimed:
+            # An instance a kernel's install reaches is read by that kernel, but a forward of another
+            # library's set on it (LLaMA-Factory's experts) is that library's code all the same.
+            reached = claimed and inner_origin != FOREIGN
+            if differs and function_of(inner) is not function_of(forward) and not reached:
                 if inner_origin == STOCK and origin == OURS:
                     kind_of = "captured-before-patching"
                 elif inner_origin == OURS:

@@ -200,8 +200,9 @@ def tell_overrides():
     if not STATE.placed:
         return  # nothing patched: nothing to override (and no need for the records' module)
     try:
-        from . import _records
+        from . import _instances, _records
 
+        _instances.watch()  # forwards set on instances are found when their model first runs
         _records.tell_overrides()
     except Exception as exc:  # a hook must not fail the import that ran it
         _log.warning(f"could not check for overridden targets: {exc!r}")

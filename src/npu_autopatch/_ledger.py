@@ -28,6 +28,7 @@ class Slot:
 
     __slots__ = (
         "attr",
+        "bypassed",
         "had_own",
         "holders",
         "kernel",
@@ -67,6 +68,9 @@ class Slot:
         self.seen = original if seen is ORIGINAL else seen  # what the plan found there (checked at commit)
         self.refresh = refresh  # the kernel's refresh(): a cache of this attribute follows each swap
         self.note = note  # why this variant and not an earlier one (a requirement refused that), or None
+        # Who set a ``forward`` of their own on instances of this class, over our kernel ({holder: None},
+        # in the order met; _instances): those instances run that code, not ours.
+        self.bypassed = {}
 
     def current(self):
         return current(self.owner, self.attr)
@@ -206,6 +210,7 @@ def moved(model_type, module):
             "module-reexecuted",
             f"{name} was imported again after it was patched; its new objects run stock",
         )
+    replaced = []  # every target another library rebound, named with its holder
     for path, key in placed:
         found = resolve(module, (path,))
         slot = STATE.slots.get(key)
@@ -214,12 +219,17 @@ def moved(model_type, module):
         if (id(found.owner), found.attr) != key or found.current is not slot.replacement:
             holder = foreign_holder(found.current, module, found.owner)
             if holder is not None:
-                return Moved(False, "replaced-after-us", f"{name}:{path} was replaced after us by {holder}")
+                replaced.append(f"{name}:{path} was replaced after us by {holder}")
+                continue
+            if replaced:
+                continue  # told with the others; a module run again is what its first move says
             if (id(found.owner), found.attr) != key:
                 why = f"{name} was executed again after it was patched; its new objects run stock"
                 return Moved(False, "module-reexecuted", why)
             why = f"{slot.where} holds transformers' own code again (module executed again?)"
             return Moved(False, "module-reexecuted", why)
+    if replaced:
+        return Moved(False, "replaced-after-us", "; ".join(replaced))
     return None
 
 

@@ -11,6 +11,14 @@ variables decide the rank there; torch.distributed is asked only once it is init
 
 A line logged while the package lock is held (``_state.locked``) is written when the lock
 is let go (see _state: logging's lock and ours must never be held together).
+
+Two kinds of line *insist* (``insist=True``): that another library's code replaced ours, and that
+another library's NPU patch stepped aside for ours. A host program may set the handlers of the root
+logger above them without meaning to silence us (ms-swift sets the root's stream handlers to ERROR,
+against DDP's duplicate lines on other ranks: ``swift/utils/logger.py``). So where our logger is
+enabled for the line's level and yet no handler on its way up would emit it, such a line is written
+by a stderr handler of our own, on rank 0 only. A level set on our logger itself
+(``logging.getLogger("npu_autopatch").setLevel(logging.ERROR)``) is the user's choice and silences it.
 """
 
 import os
@@ -50,26 +58,61 @@ def _prefix():
     return "npu-autopatch: " if rank in (None, 0) else None
 
 
-def _emit(level, message):
-    if not defer(lambda: _write(level, message)):
-        _write(level, message)
+def _emit(level, message, insist=False):
+    if not defer(lambda: _write(level, message, insist)):
+        _write(level, message, insist)
 
 
-def _write(level, message):
+def _write(level, message, insist=False):
     prefix = _prefix()
     if prefix is None:
         return
     import logging
 
-    logging.getLogger(LOGGER_NAME).log(getattr(logging, level), "%s%s", prefix, message)
+    logger = logging.getLogger(LOGGER_NAME)
+    levelno = getattr(logging, level)
+    if insist and logger.isEnabledFor(levelno) and not _handled(logger, levelno):
+        _own_handler().handle(
+            logger.makeRecord(LOGGER_NAME, levelno, __file__, 0, "%s%s", (prefix, message), None)
+        )
+        return
+    logger.log(levelno, "%s%s", prefix, message)
 
 
-def warning(message):
-    _emit("WARNING", message)
+def _handled(logger, levelno):
+    """Whether a record of ``levelno`` from ``logger`` reaches a handler that emits it (logging's own
+    walk up the hierarchy, Logger.callHandlers; with no handler at all, ``logging.lastResort``)."""
+    import logging
+
+    seen = False
+    current = logger
+    while current is not None:
+        for handler in current.handlers:
+            seen = True
+            if levelno >= handler.level:
+                return True
+        if not current.propagate:
+            break
+        current = current.parent
+    last = logging.lastResort
+    return not seen and last is not None and levelno >= last.level
 
 
-def info(message):
-    _emit("INFO", message)
+def _own_handler():
+    """A stderr handler of ours, made for the rare line that needs it (the sys.stderr of that moment)."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+    return handler
+
+
+def warning(message, insist=False):
+    _emit("WARNING", message, insist)
+
+
+def info(message, insist=False):
+    _emit("INFO", message, insist)
 
 
 def debug(message):

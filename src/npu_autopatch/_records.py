@@ -266,13 +266,14 @@ def _tell(rec):
     """
     if rec is None or rec.code is not ReasonCode.REPLACED_AFTER_US:
         return
-    told = (rec.model, rec.cause)
+    told = (rec.model, rec.cause.replace(NO_CALLS_YET, ""))  # the evidence may go, the override stays
     if told in STATE.overrides_told:
         return
     STATE.overrides_told.add(told)
     _log.warning(
         f"{rec.model}: overridden (replaced-after-us): {rec.cause}; that code runs there, not our kernel "
-        "(status() and report(model) say so)"
+        "(status() and report(model) say so)",
+        insist=True,
     )
 
 
@@ -288,8 +289,10 @@ def _downgraded(rec, model_type):
             cause=f"the import of {placed_module.__name__} failed after it was patched (did another "
             "library's post-import hook raise?); it is patched when imported again",
         )
-    if moved is not None:
+    if moved is not None and moved.code != ReasonCode.REPLACED_AFTER_US.value:
         return replace(rec, state=State.OVERRIDDEN, code=ReasonCode(moved.code), cause=moved.why)
+    overridden = [moved.why] if moved is not None else []  # every target whose code is another's now
+    named = moved.why if moved is not None else ""  # those the module's own names already told
     latest = {key for _path, key in STATE.placed[model_type][1]}
     for key in STATE.held.get(model_type, ()):
         slot = STATE.slots.get(key)
@@ -297,13 +300,57 @@ def _downgraded(rec, model_type):
             continue
         now = slot.current()
         if now is not slot.replacement:
-            return replace(
-                rec,
-                state=State.OVERRIDDEN,
-                code=ReasonCode.REPLACED_AFTER_US,
-                cause=f"{slot.where} was replaced after us by {_resolve.foreign_holder(now)}",
+            if slot.where not in named:
+                told = f"{slot.where} was replaced after us by {_resolve.foreign_holder(now)}"
+                overridden.append(_with_calls(slot.where, told))
+            continue
+        forward = _replaced_forward(slot)
+        if forward is not None:
+            overridden.append(_with_calls(slot.where, forward))
+        if slot.bypassed:
+            holders = ", ".join(slot.bypassed)
+            overridden.append(
+                _with_calls(
+                    slot.where, f"{slot.where} is bypassed by a forward set on its instances by {holders}"
+                )
             )
-    return None
+    if not overridden:
+        return None
+    return replace(
+        rec,
+        state=State.OVERRIDDEN,
+        code=ReasonCode.REPLACED_AFTER_US,
+        cause="; ".join(dict.fromkeys(overridden)),
+    )
+
+
+def _replaced_forward(slot):
+    """Why ``slot``'s kernel no longer runs when it sits on another attribute of a module class (5.x
+    experts: the attribute transformers' experts interface dispatches to; 4.x DeepSeek-V3's ``moe``)
+    whose ``forward`` another library replaced after us (ms-swift's experts forward), else None."""
+    owner = slot.owner
+    if slot.kernel is None or not isinstance(owner, type) or slot.attr == "forward":
+        return None
+    forward = vars(owner).get("forward")
+    if forward is None:
+        return None  # no module class of its own (PreTrainedModel's bookkeeping methods)
+    holder = _resolve.foreign_holder(forward, sys.modules.get(owner.__module__))
+    if holder is None:
+        return None
+    where = f"{owner.__module__}:{owner.__qualname__}.forward"
+    return f"{where} was replaced after us by {holder}, so {slot.where} no longer runs our kernel"
+
+
+NO_CALLS_YET = " (our kernel there: 0 calls so far)"
+
+
+def _with_calls(where, text):
+    """``text`` with the fused-call count of the replacement at ``where`` when it is 0 (the evidence
+    that another library's code ran in its place, once the model ran), else as it is."""
+    calls = STATE.calls.get(where)
+    if calls is not None and calls.fused == 0 and not calls.stock:
+        return text + NO_CALLS_YET
+    return text
 
 
 def _transformers_roots():

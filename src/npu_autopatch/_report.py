@@ -35,7 +35,7 @@ import collections
 import sys
 from dataclasses import dataclass, field
 
-from . import _candidates, _control
+from . import _candidates, _control, _instances
 from ._classify import (
     FOREIGN,
     OURS,
@@ -214,6 +214,7 @@ def _runs(entry: ModuleEntry) -> str:
 def report(model) -> CoverageReport:
     """What ``model`` (a live ``torch.nn.Module``) runs: ours, stock or foreign, per class and
     rotary function, and the flags (see this module's docstring)."""
+    _instances.record(list(model.modules()))  # a forward set on an instance over ours: status() says so
     records = _control.status()
     ours = Ours()
     hooks = report_hooks()

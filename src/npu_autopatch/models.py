@@ -10,7 +10,7 @@ the name: the patcher probes every target against the kernel before swapping.
 """
 
 from ._types import Model, Target
-from .integrations.verl import STEP_ASIDE
+from .integrations import llamafactory, swift, verl
 
 # types.MappingProxyType without importing types at interpreter start: the table is data, read-only.
 _READ_ONLY = type(type.__dict__)
@@ -346,7 +346,17 @@ _TABLE = {
         # Not a model type: verl's own NPU patch, which would replace our kernels in the nine model
         # types it covers; it steps aside for the ones we patch (integrations/verl.py). Its module is
         # whichever module of verl defines apply_npu_patches, wherever verl moves it.
-        Model("verl_npu_patch", Target(STEP_ASIDE, "apply_npu_patches"), module="verl.*"),
+        Model("verl_npu_patch", Target(verl.STEP_ASIDE, "apply_npu_patches"), module="verl.*"),
+        # Not a model type: ms-swift's own NPU patch, which its import runs on an NPU (ms-swift 4.6.0:
+        # swift/model/npu_patch/model.py); it steps aside for the models we patch (integrations/swift.py).
+        Model("swift_npu_patch", Target(swift.STEP_ASIDE, "apply_patch"), module="swift.*npu_patch.model"),
+        # Not a model type: LLaMA-Factory's NPU kernels (use_v1_kernels, kernel_config), set on a built
+        # model's instances; they step aside for the model types we patch (integrations/llamafactory.py).
+        Model(
+            "llamafactory_kernels",
+            Target(llamafactory.STEP_ASIDE, "apply_kernels", "apply_kernel"),
+            module="llamafactory.*kernels.interface",
+        ),
     )
 }
 
@@ -356,6 +366,14 @@ MODELS = _READ_ONLY(_TABLE)
 BUILTIN = tuple(MODELS)
 # The entries that are no model type: a module every model calls (no tiny model, no modeling module).
 INTEGRATIONS = frozenset(
-    {"npu_flash_attention", "flash_attention_utils", "default_attention", "activations", "verl_npu_patch"}
+    {
+        "npu_flash_attention",
+        "flash_attention_utils",
+        "default_attention",
+        "activations",
+        "verl_npu_patch",
+        "swift_npu_patch",
+        "llamafactory_kernels",
+    }
 )
 MODEL_TYPES = tuple(name for name in BUILTIN if name not in INTEGRATIONS)

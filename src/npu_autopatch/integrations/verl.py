@@ -27,35 +27,28 @@ package is loaded by then: it built the replacement): an import of the mechanism
 a cycle through the table (tests/test_structure.py).
 """
 
-import sys
-
 from .._types import Kernel, Variant
+from ._step_aside import (
+    FUNCTION,
+    OURS,
+    announce,
+    reads_global,
+    refused,
+    required_arguments,
+    states,
+    with_globals,
+)
 
 TABLE = "NPU_PATCHES"  # verl's table: model type -> the function that patches that model
-OURS = ("pending", "applied", "partial")  # status() states of a model whose targets are ours
-_FUNCTION = type(lambda: None)
-_told = set()  # (stepped aside for, kept) pairs already logged in this process
-
-
-def _reads_global(code, name):
-    """Whether ``code`` (or code nested in it: a comprehension, an inner function) loads global ``name``."""
-    import dis
-
-    if any(i.opname == "LOAD_GLOBAL" and i.argval == name for i in dis.get_instructions(code)):
-        return True
-    return any(_reads_global(const, name) for const in code.co_consts if isinstance(const, type(code)))
 
 
 def _shape(stock):
     """None if ``stock`` is verl's apply_npu_patches as this step-aside knows it, else why not."""
-    if type(stock) is not _FUNCTION:
+    if type(stock) is not FUNCTION:
         return f"it is a {type(stock).__name__}, not a plain function"
-    code = stock.__code__
-    required = code.co_argcount - len(stock.__defaults__ or ())
-    keyword_only = set(code.co_varnames[code.co_argcount : code.co_argcount + code.co_kwonlyargcount])
-    if required > 0 or keyword_only - set(stock.__kwdefaults__ or {}):
+    if required_arguments(stock):
         return "it takes required arguments"
-    if not _reads_global(code, TABLE):
+    if not reads_global(stock.__code__, TABLE):
         return f"it does not read its table as the global {TABLE}"
     table = stock.__globals__.get(TABLE)
     if not isinstance(table, dict) or not all(isinstance(k, str) and callable(v) for k, v in table.items()):
@@ -67,40 +60,15 @@ def probe(stock, candidate):
     """None when verl's function has the shape the replacement relies on, else why not."""
     why = _shape(stock)
     if why is not None:
-        where = f"{stock.__module__}.{getattr(stock, '__qualname__', stock)}"
-        return f"{where}: {why}; verl's patch runs as without us"
+        return refused(stock, why, "verl")
     return None if getattr(candidate, "__wrapped__", None) is stock else "the step-aside does not wrap it"
 
 
 def _ours(table):
     """(the model types of ``table`` npu-autopatch patches in this process, those absent from this
     transformers): see the module docstring. verl's patch tries the absent ones as without us."""
-    records = sys.modules["npu_autopatch"].status()
-    states = {name: str(records[name].state) for name in table if name in records}
-    return [n for n in table if states.get(n) in OURS], {n for n in table if states.get(n) == "absent"}
-
-
-def _with_table(stock, table):
-    """verl's function as it is, reading ``table`` as its NPU_PATCHES (its module is left untouched)."""
-    namespace = dict(stock.__globals__)
-    namespace[TABLE] = table
-    narrowed = _FUNCTION(stock.__code__, namespace, stock.__name__, stock.__defaults__, stock.__closure__)
-    narrowed.__kwdefaults__ = stock.__kwdefaults__
-    return narrowed
-
-
-def _announce(stock, ours, kept):
-    """One rank-0 INFO line per distinct outcome (verl calls apply_npu_patches once per engine);
-    ``kept``: the model types verl's patch still patches (those this transformers has)."""
-    key = (tuple(ours), tuple(kept))
-    if key in _told:
-        return
-    _told.add(key)
-    where = f"{stock.__module__}.{stock.__qualname__}"
-    sys.modules["npu_autopatch._log"].info(
-        f"verl's NPU patch ({where}) steps aside for {', '.join(ours)}: npu-autopatch patches them; "
-        f"verl's still patches: {', '.join(kept) or 'none'} (NPU_AUTOPATCH_STEP_ASIDE=0 runs verl's for all)"
-    )
+    found = states(table)
+    return [n for n in table if found.get(n) in OURS], {n for n in table if found.get(n) == "absent"}
 
 
 def build(stock, npu, on_error):
@@ -118,9 +86,10 @@ def build(stock, npu, on_error):
             table = stock.__globals__[TABLE]
             ours, absent = _ours(table)
             kept = [name for name in table if name not in ours]
-            run = _with_table(stock, {name: table[name] for name in kept}) if ours else stock
+            run = with_globals(stock, {TABLE: {name: table[name] for name in kept}}) if ours else stock
             if ours:
-                _announce(stock, ours, [name for name in kept if name not in absent])
+                where = f"{stock.__module__}.{stock.__qualname__}"
+                announce("verl", where, ours, [name for name in kept if name not in absent])
         except Exception as exc:
             on_error(exc)
             return stock(*args, **kwargs)

@@ -74,7 +74,7 @@ class _PerTensor:
         self._lock = threading.Lock()  # threads (e.g. pipeline stages) share it
 
     def __call__(self, tensor: torch.Tensor):
-        if tensor.is_inference() or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or tensor.is_inference():
             # compiling: a guard on the tensor's identity and version would compile the graph again
             # for every new batch; the compiled call computes it as stock does
             return self._compute(tensor)
@@ -853,7 +853,9 @@ def _build_route(stock, npu, on_error):
                     count_stock(MASK_4D, query)
                 return _registry_function("sdpa")(module, query, key, value, attention_mask, *args, **kwargs)
             if torch.compiler.is_compiling():
-                if attention_mask is None:
+                if attention_mask is None and key.shape[2] != query.shape[2]:
+                    # keys of a cache beside the query: the masks were stock's (``mask``), which
+                    # leaves this one to sdpa's own causal flag
                     return _registry_function("sdpa")(module, query, key, value, None, *args, **kwargs)
                 return flash(module, query, key, value, attention_mask, *args, **kwargs)
             _CALL.routed = True
@@ -865,13 +867,17 @@ def _build_route(stock, npu, on_error):
         return flash_attention_forward
 
     def mask(flash_mask):
-        """The mask registry's ``flash_attention_2`` function (``flash_mask``): for a routed model under
-        ``torch.compile``, stock's sdpa mask, so that the compiled forward is stock's (no host copies,
-        no data-dependent unpadding); otherwise ``flash_mask``."""
+        """The mask registry's ``flash_attention_2`` function (``flash_mask``): for a routed model, stock's
+        sdpa mask where the compiled forward is then stock's (a call under ``torch.compile`` that
+        carries a padding mask or a cache beside its query: no host copies, no data-dependent
+        unpadding) and for a compileable cache's masks; otherwise ``flash_mask``. A compiled call with
+        neither (a packed batch, its documents told apart by position_ids alone, or an unpadded one)
+        takes the flash path as it does uncompiled: stock's mask would drop the documents' bounds
+        wherever a cache is in use, and skip what replaces ``_flash_attention_forward`` (verl's Ulysses)."""
 
         def flash_attention_mask(*args, config=None, **kwargs):
-            stock_masks = torch.compiler.is_compiling() or _CALL.compileable_cache
-            if stock_masks and config is not None and _routed_config(config):
+            compiled = torch.compiler.is_compiling() and not _unmasked_prefill(args, kwargs)
+            if (compiled or _CALL.compileable_cache) and config is not None and _routed_config(config):
                 return _mask_function("sdpa")(*args, config=config, **kwargs)
             return flash_mask(*args, config=config, **kwargs)
 
@@ -933,6 +939,18 @@ def _routed_config(config) -> bool:
     """Whether the route chose FA2 for this config (a dict lookup: dynamo traces it as a constant)."""
     decision = CHOICES.of(config)
     return decision is not None and decision[0]
+
+
+def _unmasked_prefill(args, kwargs) -> bool:
+    """Whether a mask function's call (keywords, as transformers passes them) is for a batch with no
+    padding mask whose keys are its own tokens, no cache beside them (4.57 gives the query's length
+    as ``cache_position``, 5.x as ``q_length``). False when that cannot be read: stock's masks then."""
+    if args or kwargs.get("attention_mask") is not None or "kv_length" not in kwargs:
+        return False
+    if "q_length" in kwargs:
+        return kwargs["q_length"] == kwargs["kv_length"]
+    positions = kwargs.get("cache_position")
+    return isinstance(positions, torch.Tensor) and positions.shape[0] == kwargs["kv_length"]
 
 
 def _registry_function(name):

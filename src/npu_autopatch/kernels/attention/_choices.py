@@ -32,7 +32,7 @@ class _Choices:
     chose the implementation) and for disable()/enable() (``_refresh_routed``: a routed config goes
     back to stock's default when the route is taken out, and to FA2 when it is put back).
 
-    Held here, beside the only code that writes and reads it, not in the package state: like
+    Held in the attention family, which alone writes and reads it, not in the package state: like
     ``HOST_ENDS`` it is a cache of facts about the user's objects, keyed weakly (a config is
     unhashable: keyed by id, the entry dropped when the config dies).
     """

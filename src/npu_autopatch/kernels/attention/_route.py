@@ -210,13 +210,12 @@ def _build_route(stock, npu, on_error):
                 if not torch.compiler.is_compiling():
                     count_stock(MASK_4D, query)
                 return _registry_function("sdpa")(module, query, key, value, attention_mask, *args, **kwargs)
-            if torch.compiler.is_compiling():
-                if attention_mask is None and key.shape[2] != query.shape[2]:
-                    # keys of a cache beside the query: the masks were stock's (``mask``), which
-                    # leaves this one to sdpa's own causal flag
-                    return _registry_function("sdpa")(module, query, key, value, None, *args, **kwargs)
-                return flash(module, query, key, value, attention_mask, *args, **kwargs)
-            _CALL.routed = True
+            compiled = torch.compiler.is_compiling()
+            if compiled and attention_mask is None and key.shape[2] != query.shape[2]:
+                # compiled, with keys of a cache beside the query: the masks were stock's (``mask``),
+                # which leaves this call to sdpa's own causal flag
+                return _registry_function("sdpa")(module, query, key, value, None, *args, **kwargs)
+            _CALL.routed = True  # compiled too: dynamo replays it before the graph break at the message
             try:
                 return flash(module, query, key, value, attention_mask, *args, **kwargs)
             finally:

@@ -210,10 +210,12 @@ def _build_route(stock, npu, on_error):
                 if not torch.compiler.is_compiling():
                     count_stock(MASK_4D, query)
                 return _registry_function("sdpa")(module, query, key, value, attention_mask, *args, **kwargs)
-            compiled = torch.compiler.is_compiling()
-            if compiled and attention_mask is None and key.shape[2] != query.shape[2]:
-                # compiled, with keys of a cache beside the query: the masks were stock's (``mask``),
-                # which leaves this call to sdpa's own causal flag
+            stock_masks = torch.compiler.is_compiling() and (
+                torch.compiler.is_exporting() or key.shape[2] != query.shape[2]
+            )
+            if stock_masks and attention_mask is None:
+                # exported, or compiled with keys of a cache beside the query: the masks were stock's
+                # (``mask``), which leaves this call to sdpa's own causal flag
                 return _registry_function("sdpa")(module, query, key, value, None, *args, **kwargs)
             _CALL.routed = True  # compiled too: dynamo replays it before the graph break at the message
             try:
@@ -230,10 +232,13 @@ def _build_route(stock, npu, on_error):
         unpadding) and for a compileable cache's masks; otherwise ``flash_mask``. A compiled call with
         neither (a packed batch, its documents told apart by position_ids alone, or an unpadded one)
         takes the flash path as it does uncompiled: stock's mask would drop the documents' bounds
-        wherever a cache is in use, and skip what replaces ``_flash_attention_forward`` (verl's Ulysses)."""
+        wherever a cache is in use, and skip what replaces ``_flash_attention_forward`` (verl's Ulysses).
+        ``torch.export`` keeps stock's masks: FA2's packed-sequence test reads the position_ids, which
+        an exported graph cannot guard on (stock's exported mask keeps the documents apart itself)."""
 
         def flash_attention_mask(*args, config=None, **kwargs):
-            compiled = torch.compiler.is_compiling() and not _unmasked_prefill(args, kwargs)
+            traced = torch.compiler.is_compiling()
+            compiled = traced and (torch.compiler.is_exporting() or not _unmasked_prefill(args, kwargs))
             if (compiled or _CALL.compileable_cache) and config is not None and _routed_config(config):
                 return _mask_function("sdpa")(*args, config=config, **kwargs)
             return flash_mask(*args, config=config, **kwargs)

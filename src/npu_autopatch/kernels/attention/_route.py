@@ -5,7 +5,8 @@ Per model, ``get_correct_attn_implementation`` turns transformers' default into 
 class, its containers and the table allow it (``_why_not_routed``). Per call, the ``flash_attention_2``
 slots of transformers' attention and mask registries and ``prepare_inputs_for_generation`` send what
 the flash path cannot take to stock's sdpa: a 4-D mask, a compiled call with a padding mask or a cache
-beside its query, a compileable cache's masks (``_build_route``, installed by ``_install_route``).
+beside its query, an exported call, a compileable cache's masks (``_build_route``, installed by
+``_install_route``).
 """
 
 import inspect

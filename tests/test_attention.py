@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from npu_autopatch.kernels import KERNELS, choose_variant, golden_ops
-from npu_autopatch.kernels import attention as attention_kernel
+from npu_autopatch.kernels.attention import _fused as attention_kernel
 
 from .conftest import FULL, child_env, child_result, warm_run
 

@@ -12,8 +12,8 @@ import npu_autopatch
 from npu_autopatch import Calls
 from npu_autopatch.__main__ import format_table
 from npu_autopatch.kernels import KERNELS
-from npu_autopatch.kernels import attention as attention_kernel
 from npu_autopatch.kernels._requirements import device_family, sink_requirement
+from npu_autopatch.kernels.attention import _fused as attention_kernel
 from npu_autopatch.testing import PROFILES, stand_in, tiny
 
 from .conftest import child_result

@@ -132,3 +132,63 @@ def test_trainers_on_the_default_attention_give_stock_losses(tmp_path):
         worst = max(abs(p - s) / abs(s) for p, s in zip(losses, stock, strict=True))
         assert worst <= tolerance, (name, stock, losses)
         assert backward_calls > 0, (name, backward_calls)  # the fused attention's backward ran
+
+
+# TRL's padding-free SFT compiled (``torch_compile=True``) on a routed model: its rows are packed
+# (position_ids restarting, no mask, no cache), and the compiled steps take transformers' flash path as
+# the uncompiled ones do (its ``_flash_attention_forward``, replaced here by a counting stand-in as
+# verl's Ulysses replaces it, is called compiled too), with the same losses. dynamo's eager backend: the
+# route decides while dynamo traces.
+SFT_COMPILED = textwrap.dedent(
+    """
+    import json
+    import torch
+    from npu_autopatch.testing import stand_in, tiny
+    from tests.test_trl import COMMON, texts, tokenizer
+
+
+    def losses(**arguments):
+        import trl
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        net = AutoModelForCausalLM.from_config(tiny.tiny_config("qwen3"))  # no attn_implementation
+        vocab = net.config.vocab_size
+        settings = {**COMMON, "max_steps": 2, "bf16": False, "gradient_checkpointing": False}
+        args = trl.SFTConfig(output_dir="out", **settings, padding_free=True, max_length=None, **arguments)
+        data, words = texts(vocab), tokenizer(vocab)
+        trainer = trl.SFTTrainer(model=net, args=args, train_dataset=data, processing_class=words)
+        calls.clear()
+        trainer.train()
+        found = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        return {"losses": found, "implementation": net.config._attn_implementation, "flash calls": len(calls)}
+
+
+    with stand_in() as npu:
+        import npu_autopatch
+
+        npu_autopatch.enable()
+        import transformers.integrations.flash_attention as integration
+
+        calls, original = [], integration._flash_attention_forward
+
+        def replaced(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        integration._flash_attention_forward = replaced
+        result = {"eager": losses(), "compiled": losses(torch_compile=True, torch_compile_backend="eager")}
+    print("RESULT" + json.dumps(result))
+    """
+)
+
+
+@FULL
+def test_sft_padding_free_compiled_takes_the_flash_path_with_uncompiled_losses(tmp_path):
+    found = child_result(SFT_COMPILED, timeout=600, pythonpath=ROOT, cwd=tmp_path)
+    eager, compiled = found["eager"], found["compiled"]
+    assert eager["implementation"] == compiled["implementation"] == "flash_attention_2", found
+    assert len(eager["losses"]) == 2, found
+    worst = max(abs(c - e) / abs(e) for c, e in zip(compiled["losses"], eager["losses"], strict=True))
+    assert worst <= TOLERANCE["fp32"], found
+    assert eager["flash calls"] > 0 and compiled["flash calls"] > 0, found

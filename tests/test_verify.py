@@ -129,7 +129,7 @@ sys.exit(main(["verify", "--device", "cpu", "--simulate", "--models", "llama,qwe
 
 OFF_BY_ONE = """
 import sys
-from npu_autopatch.kernels import attention
+from npu_autopatch.kernels.attention import _fused as attention
 from npu_autopatch.__main__ import main
 
 band = attention._band

@@ -34,6 +34,8 @@ import sys
 import types
 import weakref
 
+from . import _catalog
+
 _SIMPLE = (int, float, complex, str, bytes, bool, type(None))
 _DEPTH = 3  # helper functions followed this deep (measured: no two verdicts for one fingerprint)
 _FUNCTION = types.FunctionType
@@ -212,10 +214,13 @@ def _module_of(value):
 
 def sources():
     """The modules a shipped verdict depends on, derived from the built-in kernels, not listed by hand:
-    the modules defining their variants, requirements, fallbacks and refreshes, and every module of
-    the package those refer to (the probes' helpers, the reference math, a shared module such as
+    the modules declaring them (the catalogue's: a family folder's face, such as ``attention``) and
+    defining their variants, requirements, fallbacks and refreshes, and every module of the package
+    those refer to (the probes' helpers, the reference math, a shared module such as
     ``gated_delta_scan`` or ``losses``), with this fingerprint and the variant chooser. Sorted by name."""
-    roots = {__name__, f"{__name__.rpartition('.')[0]}._choose"}
+    package = __name__.rpartition(".")[0]
+    roots = {__name__, f"{package}._choose"}
+    roots.update(f"{package}.{line[1]}" for line in _catalog.BUILTIN)
     for variants in BUILTIN.values():
         for variant in variants:
             functions = (variant.build, variant.probe, variant.requires, variant.probe_live)

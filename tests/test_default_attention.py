@@ -1,5 +1,5 @@
 """transformers' default attention on the NPU (issue 27): a model that asks for no implementation runs
-the patched flash-attention path (kernels/attention.py, ``default_attention``), not sdpa.
+the patched flash-attention path (kernels/attention/_route.py, ``default_attention``), not sdpa.
 
 Every check runs in a fresh interpreter under the stand-in (transformers caches
 ``is_torch_npu_available`` and the flash functions it loaded). The parity reference is eager on the
@@ -159,7 +159,7 @@ print("RESULT" + json.dumps(out))
 # ``_supports_flash_attn_2``): they keep sdpa.
 # 5.x: gemma3 is the vision-language wrapper (its text model, gemma3_text, takes FA2).
 # Whose tiny model transformers 5 gives no flash attention; gemma3's (the vision-language wrapper, whose
-# mask FA2 cannot hold) is kept on sdpa on 4.57 too (kernels/attention.py ``_DROPS_BIDIRECTIONAL_4``).
+# mask FA2 cannot hold) is kept on sdpa on 4.57 too (kernels/attention/_route.py ``_DROPS_BIDIRECTIONAL_4``).
 NO_FA2 = {"gemma3"} if V4 else {"gemma3", "glm_moe_dsa", "deepseek_v32"}
 _THINKER = "transformers raises with a padding mask: the thinker's config has no vision_start_token_id"
 _MROPE = "transformers does not take restarting 2-D position_ids as packing for a 3-D (mrope) model"
@@ -171,7 +171,7 @@ NOT_RUN = {
     "qwen3_omni_moe": {"right_padded": _THINKER, "left_padded": _THINKER},
     "kimi_linear": {"packed": _LINEAR, "cu_seq_lens": _LINEAR},
 }
-# Model types the route leaves on sdpa (kernels/attention.py ``_FA2_FAILS``): transformers' own FA2 path
+# Model types the route leaves on sdpa (kernels/attention/_route.py ``_FA2_FAILS``): transformers' own FA2 path
 # fails for them (glm4v_moe at batch size 1; on 4.57 right padding refused, packed documents mixed).
 KEPT_ON_SDPA = {"glm4v_moe"} | ({"qwen2_moe", "deepseek_v2", "granitemoe"} if V4 else set())
 UNFUSED = {"gemma2"}  # attention softcap: the op has none, the kernel runs it unfused (exact)

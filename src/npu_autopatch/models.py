@@ -304,12 +304,12 @@ _TABLE = {
         Model(
             "gpt_oss",
             Target("rms_norm", "GptOssRMSNorm.forward"),
-            # 5.x swaps FA2 for a CUDA-only hub kernel: on the NPU it keeps FA2 (kernels/attention.py).
+            # 5.x swaps FA2 for a CUDA-only hub kernel: on the NPU it keeps FA2 (kernels/attention/_integration.py).
             Target("attention", "GptOssPreTrainedModel._check_and_adjust_attn_implementation", since="5.0"),
             Target("loss", "GptOssForCausalLM.forward"),
         ),
         # Not a model type: transformers' Ascend flash-attention functions, which every model running
-        # attn_implementation="flash_attention_2" on an NPU calls (kernels/attention.py).
+        # attn_implementation="flash_attention_2" on an NPU calls (kernels/attention/_fused.py).
         Model(
             "npu_flash_attention",
             Target("attention", "npu_flash_attn_func"),
@@ -317,7 +317,7 @@ _TABLE = {
             module="transformers.integrations.npu_flash_attention",
         ),
         # Not a model type either: the unpadding transformers' flash-attention path runs in every
-        # layer of a padded batch, made once per mask (kernels/attention.py, unpad_once).
+        # layer of a padded batch, made once per mask (kernels/attention/_integration.py, unpad_once).
         Model(
             "flash_attention_utils",
             Target("attention", "_get_unpad_data"),
@@ -325,7 +325,7 @@ _TABLE = {
         ),
         # Not a model type: transformers' choice of the default attention implementation, which on the
         # NPU becomes the flash-attention path above for a model that asked for none and supports it
-        # (kernels/attention.py, default_attention; its switch: NPU_AUTOPATCH_DEFAULT_ATTENTION=0).
+        # (kernels/attention/_route.py, default_attention; its switch: NPU_AUTOPATCH_DEFAULT_ATTENTION=0).
         Model(
             "default_attention",
             Target("default_attention", "PreTrainedModel.get_correct_attn_implementation"),

@@ -1,4 +1,4 @@
-"""npu_fusion_attention and its grad: the op the attention kernel (kernels/attention.py) calls.
+"""npu_fusion_attention and its grad: the op the attention kernel (kernels/attention/) calls.
 
 transformers' NPU flash-attention integration (``integrations/npu_flash_attention.py``) calls
 ``torch_npu.npu_fusion_attention`` when a model runs ``attn_implementation="flash_attention_2"`` on an

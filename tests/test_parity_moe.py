@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import npu_autopatch
 from npu_autopatch.kernels import KERNELS, choose_variant
@@ -275,13 +276,13 @@ def list_module(experts, hidden, intermediate):
     ],
     ids=["fused-weights", "module-list"],
 )
-@pytest.mark.parametrize("profile", ["a2-newest", "a2-2.7.1"])
+@pytest.mark.parametrize("profile", ["a2-newest", "a2-2.7.1", "950-newest"])
 def test_an_expert_without_rows_between_others(variant, make_module, empty_expert, profile):
     """Twelve tokens routed around expert 1: an empty group between full ones, in the forward
     grouped matmuls, dx (group type 0) and dW (group type 2), against the stock loop.
 
-    On 2.7.1 (CANN 8.3) the K-split leaves an empty group's block unwritten (NaN in the stand-in):
-    the kernel must zero it itself."""
+    On 2.7.1 (CANN 8.3) and on the Ascend 950 (whose path was not read) the K-split leaves an empty
+    group's block unwritten (NaN in the stand-in): the kernel must zero it itself."""
     with stand_in(profile=profile) as npu_stand_in:
         check_an_expert_without_rows(variant, make_module, empty_expert, npu_stand_in)
 
@@ -321,6 +322,104 @@ def check_an_expert_without_rows(variant, make_module, empty_expert, npu_stand_i
         assert empty is None
     else:
         assert (stock_empty == 0).all() and (empty == 0).all()
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_the_kernel_knows_which_devices_zero_an_empty_experts_block(profile):
+    """The kernel's rule (SoC family and CANN version) agrees with each stand-in profile's, read from
+    the CANN kernel's sources: it zeroes dW itself exactly where the device leaves the block unwritten."""
+    from npu_autopatch.kernels.moe import _k_split_zeroes_empty_groups
+
+    with stand_in(profile=profile) as npu:
+        assert _k_split_zeroes_empty_groups(npu) == npu.PROFILE.gmm_zero_fills_empty_groups
+        del npu.npu.utils  # a torch_npu without the query: the kernel zeroes the blocks itself
+        assert not _k_split_zeroes_empty_groups(npu)
+
+
+def kn_module(experts, hidden, intermediate):
+    """4.57 Qwen3-VL-MoE's experts: the weights already in the grouped matmul's [E, K, N] layout."""
+    module = torch.nn.Module()
+    module.num_experts, module.hidden_size = experts, hidden
+    module.gate_up_proj = torch.nn.Parameter(torch.randn(experts, hidden, 2 * intermediate) / hidden**0.5)
+    module.down_proj = torch.nn.Parameter(torch.randn(experts, intermediate, hidden) / intermediate**0.5)
+    module.act_fn = torch.nn.SiLU()
+    return module
+
+
+def kn_experts(self, hidden_states, routing_weights, router_indices):
+    """4.57 Qwen3VLMoeTextExperts.forward's training loop (dense [T, E] routing weights)."""
+    x = hidden_states.reshape(-1, self.hidden_size)
+    out = torch.zeros_like(x)
+    for expert in range(self.num_experts):
+        token = torch.where((router_indices == expert).any(-1))[0]
+        gate, up = (x[token] @ self.gate_up_proj[expert]).chunk(2, dim=-1)
+        rows = (F.silu(gate) * up) @ self.down_proj[expert]
+        out.index_add_(0, token, rows * routing_weights[token, expert, None])
+    return out.view(hidden_states.shape[0], -1, self.hidden_size)
+
+
+class BackwardOps(TorchDispatchMode):
+    """The aten ops a backward dispatches, with the largest tensor each one writes or reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "aten" and not func.is_view:
+            tensors = (*args, *torch.utils._pytree.tree_leaves(out))
+            touched = [t for t in tensors if isinstance(t, torch.Tensor)]
+            self.ops.append((func.overloadpacket.__name__, max((t.numel() for t in touched), default=0)))
+        return out
+
+
+# A whole-tensor pass that moves a weight's gradient without computing it: a fill, or a copy into
+# another layout (AccumulateGrad's, a clone, a contiguous copy).
+COPIES_AND_FILLS = {"copy_", "clone", "_to_copy", "fill_", "zero_", "masked_fill_", "masked_fill"}
+
+
+@pytest.mark.parametrize(
+    ("variant", "make_module", "every_expert_has_rows"),
+    [("experts", fused_module, False), ("experts-kn", kn_module, False), ("moe-method", list_module, True)],
+    ids=["5.x-fused", "4.57-qwen3-vl-moe", "4.x-module-list"],
+)
+@pytest.mark.parametrize("profile", ["a2-newest", "a2-2.7.1"])
+def test_each_weight_gradient_arrives_in_its_parameters_strides_with_no_weight_sized_copy(
+    variant, make_module, every_expert_has_rows, profile
+):
+    """The backward's ops, counted on the stand-in: two grouped matmuls per weight (dx, dW), each dW
+    written in the parameter's own layout (so AccumulateGrad takes it as it is) and never copied.
+    Only where the device's K-split leaves an empty expert's block unwritten (2.7.1: CANN 8.3) does the
+    kernel zero dW, one masked_fill_ per weight; the stacked 4.x experts have no empty expert."""
+    torch.manual_seed(0)
+    module = make_module(4, 16, 8)
+    with stand_in(profile=profile) as npu:
+        kernel = next(v for v in KERNELS["moe"].variants if v.name == variant).build(None, npu, None)
+        x = torch.randn(12, 16, requires_grad=True)
+        index = torch.tensor([0, 2, 3])[torch.argsort(torch.randn(12, 3), dim=-1)[:, :2]]
+        weights = torch.softmax(torch.randn(12, 2), dim=-1).requires_grad_()
+        if variant == "experts-kn":
+            dense = torch.zeros(12, 4).scatter(1, index, weights)
+            out = kernel(module, x.view(1, 12, 16), dense, index)
+        else:
+            out = kernel(module, x, index, weights)
+        calls = npu.calls["npu_grouped_matmul"]
+        with BackwardOps() as recorded:
+            out.square().sum().backward()
+        assert npu.calls["npu_grouped_matmul"] - calls == 4
+    parameters = dict(module.named_parameters())
+    smallest = min(p.numel() for p in parameters.values() if p.grad is not None)
+    moved = [(op, n) for op, n in recorded.ops if op in COPIES_AND_FILLS and n >= smallest]
+    fills = 0 if every_expert_has_rows or PROFILES[profile].gmm_zero_fills_empty_groups else 2
+    assert [op for op, _size in moved] == ["masked_fill_"] * fills, moved
+    for name, parameter in parameters.items():
+        if parameter.grad is not None:
+            assert parameter.grad.stride() == parameter.stride(), name
+            assert parameter.grad.isfinite().all(), name
+    assert sum(p.grad is not None for p in parameters.values()) == len(parameters) - (
+        3 if every_expert_has_rows else 0
+    )  # 4.x: expert 1, without rows, gets no gradient (None) as in the stock loop
 
 
 @pytest.mark.parametrize(

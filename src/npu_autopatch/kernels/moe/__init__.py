@@ -12,14 +12,16 @@ whose experts' ``act_fn`` is not SiLU.
 
 ``npu_grouped_matmul`` has no autograd at all (its gradients silently vanish), so it runs
 inside an autograd Function (``_grouped_matmul``) whose backward is grouped matmuls too:
-dx = dy @ W[e]^T (group type 0) and dW[e] = x[rows of e]^T @ dy[rows of e] (group type 2,
-which splits the contraction axis and gives one [K, N] block per expert). An expert with no
-rows gets a zero block from us, not from the kernel: current CANN writes zeros there
-(ops-transformer grouped_matmul_vector.h, EmptyTensorCompute), older CANN is unverified, and
-an all-empty x skips the kernel and leaves its output uninitialised (aclnn_grouped_matmul.cpp
-CheckZeroShape). Its weight is gmm's [E, K, N]; the HF [E, N, K] layouts are passed as
-transposed views, which the op takes without a copy (M-split: x must not be transposed;
-K-split: x must be, the weight must not be; aclnn_grouped_matmul.cpp).
+dx = dy @ W[e]^T (group type 0) and dW (group type 2, which splits the contraction axis and
+gives one block per expert), written in the parameter's own layout so that AccumulateGrad
+takes it without a copy: for the HF [E, N, K] parameters, passed to the forward as transposed
+views (M-split: x must not be transposed; aclnn_grouped_matmul.cpp), dW^T = dy^T x is one
+K-split with the gradient transposed (x transposed, weight not: CheckCaseSplitK), handed back
+as a transposed view. An expert with no rows gets a zero block: the A2/A3 kernel writes it on
+CANN 8.5 and later (ops-transformer grouped_matmul.cpp, EmptyTensorCompute); elsewhere (older
+CANN, the Ascend 950: unread) the backward zeroes those blocks itself, one pass over dW.
+An all-empty x skips the kernel and leaves its output uninitialised
+(aclnn_grouped_matmul.cpp CheckZeroShape): such a call runs stock (below).
 
 npu_moe_token_unpermute takes every (tokens, probs) dtype pair and returns the tokens' dtype
 (moe_token_unpermute_def.cpp), so the expert output goes in as it is, in the input dtype, and
@@ -56,11 +58,11 @@ Variants (the probe picks the one whose stock math it reproduces):
 
 4.x ModuleList weights are stacked into one [E', 2I, H] and one [E', H, I] tensor per
 forward, of the E' experts that have rows: a copy of their weights per call, from which
-autograd hands each expert its slice of the gradient, while an expert without rows gets
-no gradient (None), as in the stock loop, so an optimizer skips it there too. Finding
-them costs one host sync per layer, which the stock loop pays as well. The op's list
-form would avoid the copy but takes at most 128 weights (DeepSeek-V3 has 256 routed
-experts, Qwen3-Next 512), and a cached stack would go stale after an optimizer step.
+autograd hands each expert its slice of the gradient (in the weight's own strides: no copy),
+while an expert without rows gets no gradient (None), as in the stock loop, so an optimizer
+skips it there too. Finding them costs one host sync per layer, which the stock loop pays as
+well. The op's list form would avoid the copy but takes at most 128 weights (DeepSeek-V3 has
+256 routed experts, Qwen3-Next 512), and a cached stack would go stale after an optimizer step.
 
 The experts-implementation registry of 5.x: the class attribute ``forward`` of a fused
 experts class is ``use_experts_implementation``'s wrapper, which looks up
@@ -76,6 +78,7 @@ gated, concatenated, untransposed, bias-free, no post-expert norm, no expert par
 class's own expert loop; the parity tests run the kernel.
 """
 
+import re
 import types
 
 import torch
@@ -91,17 +94,58 @@ from .._probe import (
     randn,
     signature_reason,
 )
-from .._requirements import moe_requirement
+from .._requirements import device_family, moe_requirement
 from ..mlp import _silu_types
 from . import _experts_registry
 
+# ops-transformer gmm/grouped_matmul/op_kernel/grouped_matmul.cpp: on the A2/A3 path (``__CCE_AICORE__ ==
+# 220``) the K-split's kernel (tiling key 1, "x transposed") runs ``EmptyTensorCompute``
+# (grouped_matmul_vector.h), which writes zeros into the output block of a group with no rows. The
+# repository starts with the CANN 8.5 line (2025-09); whether older CANN does the same is not known,
+# nor whether the Ascend 950's path (op_kernel/arch35) does. The SoC names torch_npu reports for A2/A3.
+_ZEROING_CANN = (8, 5)
+_ZEROING_FAMILIES = ("Ascend910B", "Ascend910_93")
+_CANN_VERSION = re.compile(r"(\d+)\.(\d+)")
 
-def _grouped_matmul(npu):
+
+def _k_split_zeroes_empty_groups(npu):
+    """Whether this device's K-split writes zeros for an expert without rows (then dW needs no fill).
+
+    Read from the SoC name and ``torch_npu.npu.utils.get_cann_version("CANN")`` (op-plugin docs,
+    torch_npu-npu-utils-get_cann_version.md: "" before CANN 8.1.RC1); anything unreadable counts as
+    no, and the kernel zeroes those blocks itself.
+    """
+    family = device_family(npu) or ""
+    try:
+        found = _CANN_VERSION.match(npu.npu.utils.get_cann_version(module="CANN") or "")
+    except Exception:  # an older torch_npu without the query, or no CANN to ask
+        found = None
+    cann = tuple(int(part) for part in found.groups()) if found else (0, 0)
+    return family.startswith(_ZEROING_FAMILIES) and cann >= _ZEROING_CANN
+
+
+def _grouped_matmul(npu, zero_empty_groups):
     """fn(x, weight [E, K, N], counts int64 [E]): the rows of expert e of x @ weight[e], with a backward.
+
+    The backward writes each weight's gradient in the weight's own layout, so that AccumulateGrad
+    takes it as it is (no copy into the parameter's strides): for a weight that is a transposed
+    view of a contiguous [E, N, K] parameter (transformers 5.x's [E, 2I, H] and [E, H, I]; 4.x's
+    stacked experts), dW^T[e] = dy[rows of e]^T @ x[rows of e] is one K-split with the gradient
+    transposed (x transposed, weight not: aclnn_grouped_matmul.cpp CheckCaseSplitK; MindSpeed's gmm
+    backward does the same for a transposed weight), handed back as a transposed view; for a
+    contiguous [E, K, N] weight (4.57 Qwen3-VL-MoE), dW[e] = x[rows of e]^T @ dy[rows of e].
+    ``zero_empty_groups``: the K-split leaves the block of an expert without rows unwritten on this
+    device (``_k_split_zeroes_empty_groups``), so the backward zeroes those blocks, one pass over dW
+    (``masked_fill_``); where the kernel writes the zeros itself, nothing touches dW after it.
 
     One autograd Function per torch_npu module, closing over it, so that torch.compile traces it
     with nothing but tensors in its arguments.
     """
+
+    def k_split(x, dy, counts):
+        return npu.npu_grouped_matmul(
+            [x], [dy], group_list=counts, group_type=2, split_item=3, group_list_type=1
+        )[0]
 
     class GroupedMatmul(torch.autograd.Function):
         @staticmethod
@@ -126,11 +170,12 @@ def _grouped_matmul(npu):
                     group_list_type=1,
                 )[0]
             if ctx.needs_input_grad[1]:
-                dweight = npu.npu_grouped_matmul(
-                    [x.t()], [dy], group_list=counts, group_type=2, split_item=3, group_list_type=1
-                )[0]
-                # The block of an expert without rows is ours to zero, not the kernel's to fill.
-                dweight.masked_fill_((counts == 0)[:, None, None], 0)
+                if weight.transpose(1, 2).is_contiguous():  # the parameter is [E, N, K]
+                    dweight = k_split(dy.t(), x, counts).transpose(1, 2)
+                else:
+                    dweight = k_split(x.t(), dy, counts)
+                if zero_empty_groups:
+                    dweight.masked_fill_((counts == 0)[:, None, None], 0)
             return dx, dweight, None
 
     return GroupedMatmul.apply
@@ -141,10 +186,13 @@ def _counts(top_k_index, num_experts):
     return torch.histc(top_k_index.float(), bins=num_experts, min=0, max=num_experts).to(torch.int64)
 
 
-def _routed_experts(npu):
+def _routed_experts(npu, every_expert_has_rows=False):
     """fn(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up [E, H, 2I],
-    down [E, I, H], counts [E]) -> [T, H] in the input dtype: each token's weighted experts."""
-    grouped_matmul = _grouped_matmul(npu)
+    down [E, I, H], counts [E]) -> [T, H] in the input dtype: each token's weighted experts.
+
+    ``every_expert_has_rows``: the caller passes only experts with rows (4.x's stacked hit experts),
+    so no weight-gradient block is ever left for the backward to zero."""
+    grouped_matmul = _grouped_matmul(npu, not every_expert_has_rows and not _k_split_zeroes_empty_groups(npu))
 
     def routed_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, counts):
         permuted, sorted_indices = npu.npu_moe_token_permute(hidden_states, top_k_index)
@@ -284,7 +332,7 @@ def _build_experts_kn(stock, npu, on_error):
 def _build_sparse_block(shared):
     def build(stock, npu, on_error):
         silu_types = _silu_types()
-        routed_experts = _routed_experts(npu)
+        routed_experts = _routed_experts(npu, every_expert_has_rows=True)
         softmax, sigmoid, topk, float32 = torch.softmax, torch.sigmoid, torch.topk, torch.float32
         count_fused, count_stock = counters(on_error)
 
@@ -326,7 +374,7 @@ def _build_sparse_block(shared):
 
 def _build_moe_method(stock, npu, on_error):
     silu_types = _silu_types()
-    routed_experts = _routed_experts(npu)
+    routed_experts = _routed_experts(npu, every_expert_has_rows=True)
     count_fused, count_stock = counters(on_error)
 
     def moe(self, hidden_states, topk_indices, topk_weights):

@@ -19,7 +19,8 @@ views (M-split: x must not be transposed; aclnn_grouped_matmul.cpp), dW^T = dy^T
 K-split with the gradient transposed (x transposed, weight not: CheckCaseSplitK), handed back
 as a transposed view. An expert with no rows gets a zero block: the A2/A3 kernel writes it on
 CANN 8.5 and later (ops-transformer grouped_matmul.cpp, EmptyTensorCompute); elsewhere (older
-CANN, the Ascend 950: unread) the backward zeroes those blocks itself, one pass over dW.
+CANN, the Ascend 950: unread) the backward zeroes those blocks itself, one small fill per empty
+expert, found from the counts copied to pinned host memory in the forward (``_EmptyExperts``).
 An all-empty x skips the kernel and leaves its output uninitialised
 (aclnn_grouped_matmul.cpp CheckZeroShape): such a call runs stock (below).
 
@@ -124,8 +125,36 @@ def _k_split_zeroes_empty_groups(npu):
     return family.startswith(_ZEROING_FAMILIES) and cann >= _ZEROING_CANN
 
 
-def _grouped_matmul(npu, zero_empty_groups):
-    """fn(x, weight [E, K, N], counts int64 [E]): the rows of expert e of x @ weight[e], with a backward.
+class _EmptyExperts:
+    """The experts without rows of one call, for a backward that must zero their dW blocks itself.
+
+    The counts are copied to pinned host memory without blocking, right after the forward computes
+    them, and an event marks the copy; the backward waits on that event, long passed by then (the
+    forward's rest, the later layers and the loss run in between), and reads the host copy: no
+    stream drain inside the step. Each empty expert's block is then zeroed alone (one small fill of
+    [K, N] per empty expert), not the whole dW.
+    """
+
+    def __init__(self, npu, counts):
+        if counts.device.type == "cpu":  # nothing to copy (the CPU stand-in)
+            self._host, self._event = counts, None
+        else:
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._event = npu.npu.Event()
+            self._event.record()
+        self._experts = None
+
+    def experts(self):
+        if self._experts is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._experts = [expert for expert, rows in enumerate(self._host.tolist()) if not rows]
+        return self._experts
+
+
+def _grouped_matmul(npu):
+    """fn(x, weight [E, K, N], counts int64 [E], empty): rows of expert e of x @ weight[e], with a backward.
 
     The backward writes each weight's gradient in the weight's own layout, so that AccumulateGrad
     takes it as it is (no copy into the parameter's strides): for a weight that is a transposed
@@ -134,12 +163,12 @@ def _grouped_matmul(npu, zero_empty_groups):
     transposed (x transposed, weight not: aclnn_grouped_matmul.cpp CheckCaseSplitK; MindSpeed's gmm
     backward does the same for a transposed weight), handed back as a transposed view; for a
     contiguous [E, K, N] weight (4.57 Qwen3-VL-MoE), dW[e] = x[rows of e]^T @ dy[rows of e].
-    ``zero_empty_groups``: the K-split leaves the block of an expert without rows unwritten on this
-    device (``_k_split_zeroes_empty_groups``), so the backward zeroes those blocks, one pass over dW
-    (``masked_fill_``); where the kernel writes the zeros itself, nothing touches dW after it.
+    ``empty``: None where the device's K-split writes zeros for an expert without rows
+    (``_k_split_zeroes_empty_groups``) or every expert has rows; else an ``_EmptyExperts``, whose
+    blocks the backward zeroes one by one.
 
     One autograd Function per torch_npu module, closing over it, so that torch.compile traces it
-    with nothing but tensors in its arguments.
+    with nothing but tensors (and None) in its arguments on the devices that zero empty blocks.
     """
 
     def k_split(x, dy, counts):
@@ -149,8 +178,9 @@ def _grouped_matmul(npu, zero_empty_groups):
 
     class GroupedMatmul(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, weight, counts):
+        def forward(ctx, x, weight, counts, empty):
             ctx.save_for_backward(x, weight, counts)
+            ctx.empty = empty
             return npu.npu_grouped_matmul(
                 [x], [weight], group_list=counts, group_type=0, split_item=3, group_list_type=1
             )[0]
@@ -174,9 +204,9 @@ def _grouped_matmul(npu, zero_empty_groups):
                     dweight = k_split(dy.t(), x, counts).transpose(1, 2)
                 else:
                     dweight = k_split(x.t(), dy, counts)
-                if zero_empty_groups:
-                    dweight.masked_fill_((counts == 0)[:, None, None], 0)
-            return dx, dweight, None
+                for expert in ctx.empty.experts() if ctx.empty is not None else ():
+                    dweight[expert].zero_()
+            return dx, dweight, None, None
 
     return GroupedMatmul.apply
 
@@ -192,12 +222,14 @@ def _routed_experts(npu, every_expert_has_rows=False):
 
     ``every_expert_has_rows``: the caller passes only experts with rows (4.x's stacked hit experts),
     so no weight-gradient block is ever left for the backward to zero."""
-    grouped_matmul = _grouped_matmul(npu, not every_expert_has_rows and not _k_split_zeroes_empty_groups(npu))
+    grouped_matmul = _grouped_matmul(npu)
+    zero_empty_blocks = not every_expert_has_rows and not _k_split_zeroes_empty_groups(npu)
 
     def routed_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, counts):
+        empty = _EmptyExperts(npu, counts) if zero_empty_blocks else None
         permuted, sorted_indices = npu.npu_moe_token_permute(hidden_states, top_k_index)
-        up = npu.npu_swiglu(grouped_matmul(permuted, gate_up, counts), dim=-1)
-        out = grouped_matmul(up, down, counts)
+        up = npu.npu_swiglu(grouped_matmul(permuted, gate_up, counts, empty), dim=-1)
+        out = grouped_matmul(up, down, counts, empty)
         return npu.npu_moe_token_unpermute(out, sorted_indices, top_k_weights)
 
     return routed_experts

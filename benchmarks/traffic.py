@@ -37,10 +37,11 @@ a layer is the sum of its kernels (no overlap between kernels; a host sync costs
 stalls the host). Sources, docs/performance.md.
 
 Run with the venv's python:
-    .venv/bin/python benchmarks/traffic.py [--quick] [--models NAME ...] [--json] [--launch-us 5]
+    .venv/bin/python benchmarks/traffic.py [--quick] [--models NAME ...] [--json] [--markdown] [--launch-us 5]
 ``--quick``: qwen3 only (tests/test_benchmarks.py runs it). ``--json``: one object per line (model, variant:
 "stock", "patched" or a kernel's name, profile, kernels, bytes read + written, host_syncs, model_ms; a
-kernel's line also what it saves against stock), no table.
+kernel's line also what it saves against stock), no table. ``--markdown``: docs/performance.md's two tables
+too, as they are written there (tests/test_benchmarks.py checks the qwen3 row against the doc).
 """
 
 from __future__ import annotations
@@ -252,6 +253,8 @@ class Traffic(TorchDispatchMode):
             return
         read = {self._key(t): footprint(t) for t in inputs}
         written = {self._key(t): footprint(t) for t in outputs}
+        for out_arg in tensors(kwargs.get("out")):  # an out= variant writes it, does not read it
+            read.pop(self._key(out_arg), None)
         if packet in OVERWRITE:
             read.pop(self._key(inputs[0]), None)
         elif packet in INDEX_WRITE:
@@ -341,6 +344,7 @@ class Case:
     build: Callable[[int], torch.nn.Module]
     step: Callable[[torch.nn.Module], None]
     vocab: int | None = None  # a causal LM's: its loss is modelled too
+    title: str = ""  # its row in docs/performance.md's tables
 
 
 def causal_lm(model_type: str, **dims) -> Callable[[int], torch.nn.Module]:
@@ -409,6 +413,7 @@ CASES = (
         ),
         lm_step,
         151936,  # its loss is modelled (qwen3_moe's head is the same)
+        title="qwen3 (Qwen3-8B)",
     ),
     Case(
         "qwen3_moe",
@@ -429,6 +434,7 @@ CASES = (
             vocab_size=151936,
         ),
         lm_step,
+        title="qwen3_moe (Qwen3-235B-A22B)",
     ),
     Case(
         "qwen3_moe_30b",
@@ -449,6 +455,7 @@ CASES = (
             vocab_size=151936,
         ),
         lm_step,
+        title="qwen3_moe_30b (Qwen3-30B-A3B)",
     ),
     Case(
         "gemma3",
@@ -465,12 +472,14 @@ CASES = (
             vocab_size=262208,
         ),
         lm_step,
+        title="gemma3 (Gemma-3-12B text)",
     ),
     Case(
         "qwen2_5_vl vision",
         "Qwen2.5-VL-7B vision tower, a windowed block: hidden 1,280, 16 heads, MLP 3,420, one 896x896 image",
         vision_tower,
         vision_step,
+        title="qwen2_5_vl vision tower",
     ),
 )
 
@@ -744,12 +753,60 @@ def loss_report(case: Case, npu, launch: float, layer: float) -> list[Line]:
     return [Line(case.name, label, npu.PROFILE.name, None, saves, saves[2] / layer)]
 
 
+def markdown(cases: list[Case], lines: list[Line], launch: float) -> list[str]:
+    """docs/performance.md's two tables: the layer's totals per model, and what each kernel saves."""
+    by_case = {case.name: [line for line in lines if line.model == case.name] for case in cases}
+    counted = [case for case in cases if by_case[case.name]]
+
+    def totals(case: Case, variant: str) -> Totals:
+        return next(line.totals for line in by_case[case.name] if line.variant == variant)
+
+    def at(t: Totals, seconds_per_launch: float) -> float:  # the model's time at another launch cost, ms
+        return (t.seconds + t.kernels * (seconds_per_launch - launch)) * 1e3
+
+    def cell(t: Totals) -> str:
+        return f"{t.kernels}, {t.moved / 1e9:.2f} GB, {t.host_syncs} syncs, {t.seconds * 1e3:.1f} ms"
+
+    out = [
+        "| model | stock: kernels, GB moved, host syncs, model | patched "
+        "| model at 0 / 20 us a launch, stock vs patched |",
+        "|---|---|---|---|",
+    ]
+    for case in counted:
+        stock, patched_ = totals(case, "stock"), totals(case, "patched")
+        times = " / ".join(f"{at(stock, us * 1e-6):.1f} vs {at(patched_, us * 1e-6):.1f}" for us in (0, 20))
+        out.append(f"| {case.title} | {cell(stock)} | {cell(patched_)} | {times} ms |")
+    variants = []
+    for line in lines:
+        key = (line.variant, line.profile)
+        if line.saves is not None and key not in variants:
+            variants.append(key)
+    out += [
+        "",
+        "| kernel | " + " | ".join(case.title for case in counted) + " |",
+        "|---" * (len(counted) + 1) + "|",
+    ]
+    for variant, profile in variants:
+        cells = []
+        for case in counted:
+            found = [x for x in by_case[case.name] if (x.variant, x.profile) == (variant, profile)]
+            if found:
+                kernels, moved, _seconds = found[0].saves
+                cells.append(f"{kernels}, {moved / 1e9:.2f} GB, {100 * found[0].share:.1f} %")
+            else:
+                cells.append("")
+        label = variant if profile == DEFAULT.name else f"{variant} ({profile})"
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out
+
+
 def main() -> None:
     names = [case.name for case in CASES]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="qwen3 only")
     parser.add_argument("--models", nargs="+", choices=names, metavar="MODEL", help=f"of {', '.join(names)}")
     parser.add_argument("--json", action="store_true", help="one JSON object per line, no table")
+    parser.add_argument("--markdown", action="store_true", help="and docs/performance.md's tables")
     parser.add_argument("--launch-us", type=float, default=LAUNCH_S * 1e6, help="the launch cost assumed, us")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -764,6 +821,7 @@ def main() -> None:
             f"{CUBE_FLOPS / 1e12:.1f} TFLOPS bf16, {args.launch_us:g} us a launch "
             "(a model, not a measurement)"
         )
+    every_line = []
     for case in (case for case in CASES if case.name in chosen):
         if not args.json:
             print(f"{case.name}: {case.shape}")
@@ -785,6 +843,9 @@ def main() -> None:
             continue
         for line in lines:
             show(line)
+        every_line += lines
+    if args.markdown:
+        print("\n".join(markdown([c for c in CASES if c.name in chosen], every_line, launch)))
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def expected_calls(model_type, profile="a2-newest"):
 def present(model_type):
     """Whether the running transformers has this model and its moe target (without importing the
     modeling module): on 4.x some models' sparse blocks are another computation, left out."""
-    (experts,) = [t for t in MODELS[model_type].targets if t.kernel_name == "moe"]
+    experts = next(t for t in MODELS[model_type].targets if t.kernel_name == "moe")  # the router: after it
     since = experts.since is None or release(transformers.__version__) >= release(experts.since)
     return importable(model_type) and since
 
@@ -237,6 +237,61 @@ def test_a_single_token_matches_stock(model_type, npu_stand_in):
         if expected is not None:
             scale = max(expected.abs().max(), floor)
             assert (patched[name] - expected).abs().max() <= 1e-4 * scale, name
+
+
+def stock_route(logits, top_k, renormalise, dtype=torch.float):
+    """transformers' softmax routing (Qwen's TopKRouter, 4.x's sparse blocks): fp32 softmax over every
+    expert, top-k, optionally renormalised (in ``dtype``: fp64 for the reference)."""
+    probs = torch.softmax(logits, dim=-1, dtype=dtype)
+    top, experts = torch.topk(probs, top_k, dim=-1)
+    return (top / top.sum(dim=-1, keepdim=True) if renormalise else top), experts
+
+
+@pytest.mark.parametrize("renormalise", [True, False], ids=["norm_topk_prob", "no-renormalisation"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_routing_on_the_chosen_logits_picks_stocks_experts_with_weights_as_close_to_fp64(renormalise, dtype):
+    """The moe kernel's routing (``_route``: top-k on the logits, then a softmax over the k, or
+    without renormalisation, stock's probabilities gathered) against stock's, 4,096 tokens over 128
+    experts, top-8: the same experts (no ties among distinct random logits), weights no further from the
+    fp64 reference than stock's own, and the same gradient of the logits."""
+    from npu_autopatch.kernels.moe import _route
+
+    torch.manual_seed(0)
+    logits = (torch.randn(4096, 128) * 2).to(dtype).requires_grad_()
+    weights, experts = _route(logits, 8, renormalise)
+    stock_weights, stock_experts = stock_route(logits, 8, renormalise)
+    assert torch.equal(experts, stock_experts)
+    exact, _ = stock_route(logits.double(), 8, renormalise, torch.double)
+    error, stock_error = ((w.double() - exact).norm() / exact.norm() for w in (weights, stock_weights))
+    assert error <= stock_error * 1.05, (error, stock_error)  # relative Frobenius: within rounding of stock's
+    upstream = torch.randn_like(weights)
+    (grad,) = torch.autograd.grad((weights * upstream).sum(), logits)
+    (stock_grad,) = torch.autograd.grad((stock_weights * upstream).sum(), logits)
+    tolerance = {"rtol": 1e-4, "atol": 1e-6} if dtype == torch.float32 else {}  # bf16: its own rounding
+    torch.testing.assert_close(grad, stock_grad, **tolerance)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "mixtral"], indirect=True)
+def test_the_patched_router_returns_stocks_logits_experts_and_weights(model_type, npu_stand_in):
+    """5.x's ``*TopKRouter`` under the moe kernel (its router variants): the same logits, the same experts,
+    the same weights in the same dtype (Qwen's cast to the logits' dtype, Mixtral's fp32)."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("4.57's sparse blocks route inside the moe kernel's block forward")
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model(model_type, dtype)
+        router = model.model.layers[-1].mlp.gate  # a sparse layer (the last)
+        x = torch.randn(64, model.config.hidden_size, dtype=dtype)
+        with torch.no_grad():
+            stock = router(x)
+            npu_autopatch.enable(models=[model_type], kernels=["moe"])
+            try:
+                assert type(router).forward.__module__ == "npu_autopatch.kernels.moe"
+                patched = router(x)
+            finally:
+                npu_autopatch.disable()
+        assert torch.equal(patched[0], stock[0]) and torch.equal(patched[2], stock[2])
+        assert patched[1].dtype == stock[1].dtype
+        torch.testing.assert_close(patched[1], stock[1])
 
 
 class GatedMLP(torch.nn.Module):

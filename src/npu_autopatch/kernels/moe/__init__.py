@@ -261,6 +261,24 @@ def _stacked(experts, hit, counts):
     return gate_up, down.transpose(1, 2), counts[hit]
 
 
+def _route(router_logits, top_k, renormalise):
+    """(fp32 weights [T, k], experts [T, k]) of softmax routing, with top-k taken on the logits.
+
+    The softmax is monotonic, so the top-k of the probabilities are those of the logits: the same
+    experts, except on exact ties. Renormalised over the k (Qwen's ``norm_topk_prob``, Mixtral), the
+    weights are a softmax over the k chosen logits: no [T, E] probabilities are written, normalised, or
+    read back by the backward. Without renormalising, a chosen expert's weight is its probability among
+    all E: stock's fp32 softmax over E, gathered at the chosen experts (the same values as stock's; the
+    exp(v - logsumexp) shortcut was up to 3 ulp from fp64 where stock is within 1). Plain torch ops: no
+    fused router op of torch_npu has a backward for softmax routing (npu_moe_gating_top_k_softmax has
+    none, and from op-plugin 26.1.0 its backward raises).
+    """
+    top, experts = torch.topk(router_logits, top_k, dim=-1)
+    if renormalise:
+        return torch.softmax(top.float(), dim=-1), experts
+    return torch.softmax(router_logits, dim=-1, dtype=torch.float).gather(-1, experts), experts
+
+
 # --- builds ---------------------------------------------------------------------------
 
 # The decorator flags of a 5.x experts class under which this kernel's math is not the class's.
@@ -365,7 +383,7 @@ def _build_sparse_block(shared):
     def build(stock, npu, on_error):
         silu_types = _silu_types()
         routed_experts = _routed_experts(npu, every_expert_has_rows=True)
-        softmax, sigmoid, topk, float32 = torch.softmax, torch.sigmoid, torch.topk, torch.float32
+        sigmoid = torch.sigmoid
         count_fused, count_stock = counters(on_error)
 
         def forward(self, hidden_states):
@@ -377,10 +395,7 @@ def _build_sparse_block(shared):
             batch_size, sequence_length, hidden_dim = hidden_states.shape
             tokens = hidden_states.view(-1, hidden_dim)
             router_logits = self.gate(tokens)
-            routing_weights = softmax(router_logits, dim=1, dtype=float32)
-            routing_weights, selected_experts = topk(routing_weights, self.top_k, dim=-1)
-            if self.norm_topk_prob:
-                routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+            routing_weights, selected_experts = _route(router_logits, self.top_k, self.norm_topk_prob)
             routing_weights = routing_weights.to(tokens.dtype)
             hit, counts = _hit(experts, selected_experts)
             stacked = _stacked(experts, hit, counts) if len(hit) > 1 else None
@@ -430,6 +445,30 @@ def _build_moe_method(stock, npu, on_error):
         return out
 
     return moe
+
+
+def _build_router(renormalise_always, cast):
+    """A 5.x ``*TopKRouter.forward`` (softmax routing): ``_route`` on its logits. Qwen's renormalises when
+    ``norm_topk_prob`` and casts the weights to the logits' dtype; Mixtral's always renormalises and keeps
+    them in fp32."""
+
+    def build(stock, npu, on_error):
+        count_fused, _count_stock = counters(on_error)
+        linear_ = torch.nn.functional.linear
+
+        def forward(self, hidden_states):
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            router_logits = linear_(hidden_states, self.weight)
+            renormalise = renormalise_always or self.norm_topk_prob
+            router_scores, router_indices = _route(router_logits, self.top_k, renormalise)
+            if cast:
+                router_scores = router_scores.to(router_logits.dtype)
+            count_fused()
+            return router_logits, router_scores, router_indices
+
+        return forward
+
+    return build
 
 
 # --- probes: the stock code on tiny fake modules, E=4 experts, top-2, H=16, I=8 --------
@@ -568,6 +607,25 @@ def _probe_moe_method(stock, candidate):
     )
 
 
+def _probe_router(stock, candidate):
+    wrong = signature_reason(stock, ("self", "hidden_states"))
+    if wrong:
+        return wrong
+    gen = generator()
+    router = _module(stock, top_k=_K, num_experts=_E, hidden_dim=_H, weight=_param(gen, _E, _H))
+    x = randn(gen, _T, _H) * 4  # logits spread enough that no two are within rounding of each other
+    reasons = []
+    for norm_topk_prob in (True, False):
+        router.norm_topk_prob = norm_topk_prob
+        for dtype in (torch.float32, torch.bfloat16):  # the weights' dtype after the router: cast or fp32
+            router.to(dtype)
+            inputs = x.to(dtype)
+            reasons.append(
+                agree_strict(lambda x=inputs: stock(router, x), lambda x=inputs: candidate(router, x))
+            )
+    return first_disagreement(*reasons)
+
+
 MOE = Kernel(
     _experts_registry.KERNEL,
     ("npu_grouped_matmul", "npu_swiglu", "npu_moe_token_permute", "npu_moe_token_unpermute"),
@@ -577,6 +635,8 @@ MOE = Kernel(
         Variant("sparse-block", _build_sparse_block(shared=False), _probe_sparse_block(shared=False)),
         Variant("sparse-block-shared", _build_sparse_block(shared=True), _probe_sparse_block(shared=True)),
         Variant("moe-method", _build_moe_method, _probe_moe_method),
+        Variant("router", _build_router(renormalise_always=False, cast=True), _probe_router),
+        Variant("router-fp32", _build_router(renormalise_always=True, cast=False), _probe_router),
     ),
     requires=moe_requirement,
     # 5.x's fused experts: an experts implementation in transformers' registry, not a replaced forward

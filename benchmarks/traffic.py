@@ -199,9 +199,9 @@ def attention_flops(func, args, kwargs, backward: bool) -> int:
 class Traffic(TorchDispatchMode):
     """Records every kernel dispatched; runs an op on real tensors when none of its inputs is fake."""
 
-    def __init__(self, namespace: str, tracker: ModuleTracker) -> None:
+    def __init__(self, namespace: str, tracker: ModuleTracker, experts: int | None = None) -> None:
         super().__init__()
-        self.namespace, self.tracker = namespace, tracker
+        self.namespace, self.tracker, self.experts = namespace, tracker, experts
         self.records: list[Record] = []
         self._alive: list = []  # storages seen, kept alive so that their ids stay theirs
         self._last_read: int | None = None  # the storage the host read last, if no kernel ran since
@@ -211,6 +211,8 @@ class Traffic(TorchDispatchMode):
         inputs = tensors((args, kwargs))
         if func.overloadpacket in HOST_SYNC:
             return self._host_read(func, args, kwargs, inputs[0])
+        if func.overloadpacket is aten.nonzero and isinstance(inputs[0], FakeTensor) and self.experts:
+            return self._routed_nonzero(inputs[0])
         if any(isinstance(t, FakeTensor) for t in inputs):
             out = func(*args, **kwargs)
         else:
@@ -239,6 +241,32 @@ class Traffic(TorchDispatchMode):
             )
         self._last_read = key
         return True if tensor.dtype == torch.bool else 1 if not tensor.is_floating_point() else 1.0
+
+    def _routed_nonzero(self, mask: torch.Tensor) -> torch.Tensor:
+        """``nonzero`` of routing data (4.x's expert loops: which experts the batch hit, which rows each
+        expert got) answered as a routing that sends every expert the same number of rows: a mask of E
+        elements is all set, a larger one has 1/E of its elements set, spread evenly. A real index tensor,
+        so that the loop the host runs over it is the device's; one kernel and one host sync (its size)."""
+        count = mask.numel() if mask.numel() == self.experts else mask.numel() // self.experts
+        with unset_fake_temporarily():  # real: the host reads it
+            flat = torch.arange(count) * (mask.numel() // max(count, 1))
+            index = (
+                torch.stack(torch.unravel_index(flat, mask.shape), dim=-1) if mask.dim() else flat[:, None]
+            )
+        launch = Launch(
+            "aten.nonzero",
+            footprint(mask),
+            index.numel() * index.element_size(),
+            0,
+            where(self.tracker),
+            self.tracker.is_bw,
+            host_syncs=1,
+        )
+        self.records.append(
+            Record(launch, {self._key(mask): footprint(mask)}, {}, frozenset({mask.shape[-1]}))
+        )
+        self._last_read = None
+        return index
 
     def _key(self, t: torch.Tensor) -> int:
         storage = t.untyped_storage()
@@ -345,6 +373,7 @@ class Case:
     step: Callable[[torch.nn.Module], None]
     vocab: int | None = None  # a causal LM's: its loss is modelled too
     title: str = ""  # its row in docs/performance.md's tables
+    experts: int | None = None  # routed experts: 4.x's loops over them are counted with every expert hit
 
 
 def causal_lm(model_type: str, **dims) -> Callable[[int], torch.nn.Module]:
@@ -435,6 +464,7 @@ CASES = (
         ),
         lm_step,
         title="qwen3_moe (Qwen3-235B-A22B)",
+        experts=128,
     ),
     Case(
         "qwen3_moe_30b",
@@ -456,6 +486,7 @@ CASES = (
         ),
         lm_step,
         title="qwen3_moe_30b (Qwen3-30B-A3B)",
+        experts=128,
     ),
     Case(
         "gemma3",
@@ -494,7 +525,7 @@ def run(case: Case, layers: int, npu) -> list[Record]:
         model = case.build(layers)
     model.train()
     tracker = ModuleTracker()
-    traffic = Traffic(npu.PROFILE.namespace, tracker)
+    traffic = Traffic(npu.PROFILE.namespace, tracker, case.experts)
     with fake, tracker, traffic:
         case.step(model)
     return traffic.records

@@ -136,14 +136,17 @@ class _EmptyExperts:
     """
 
     def __init__(self, npu, counts):
+        self._host, self._event, self._experts = counts, None, None
         if counts.device.type == "cpu":  # nothing to copy (the CPU stand-in)
-            self._host, self._event = counts, None
-        else:
-            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self._host.copy_(counts, non_blocking=True)
-            self._event = npu.npu.Event()
-            self._event.record()
-        self._experts = None
+            return
+        try:
+            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            host.copy_(counts, non_blocking=True)
+            event = npu.npu.Event()
+            event.record()
+        except Exception:  # no pinned memory or event here: copied in the backward (it waits for the device)
+            return
+        self._host, self._event = host, event
 
     def experts(self):
         if self._experts is None:

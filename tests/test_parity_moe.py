@@ -254,7 +254,7 @@ def test_routing_on_the_chosen_logits_picks_stocks_experts_with_weights_as_close
     without renormalisation, stock's probabilities gathered) against stock's, 4,096 tokens over 128
     experts, top-8: the same experts (no ties among distinct random logits), weights no further from the
     fp64 reference than stock's own, and the same gradient of the logits."""
-    from npu_autopatch.kernels.moe import _route
+    from npu_autopatch.kernels.moe._compute import _route
 
     torch.manual_seed(0)
     logits = (torch.randn(4096, 128) * 2).to(dtype).requires_grad_()
@@ -383,7 +383,7 @@ def check_an_expert_without_rows(variant, make_module, empty_expert, npu_stand_i
 def test_the_kernel_knows_which_devices_zero_an_empty_experts_block(profile):
     """The kernel's rule (SoC family and CANN version) agrees with each stand-in profile's, read from
     the CANN kernel's sources: it zeroes dW itself exactly where the device leaves the block unwritten."""
-    from npu_autopatch.kernels.moe import _k_split_zeroes_empty_groups
+    from npu_autopatch.kernels.moe._compute import _k_split_zeroes_empty_groups
 
     with stand_in(profile=profile) as npu:
         assert _k_split_zeroes_empty_groups(npu) == npu.PROFILE.gmm_zero_fills_empty_groups

@@ -3,8 +3,9 @@
 Plain ``nn.Linear`` gate and up projections write the halves of one [2, T, I] buffer that
 npu_swiglu / npu_geglu read along dim 0: no [T, 2I] concatenation in the forward, x's gradient
 from one matmul and one addmm, each weight's gradient in its own layout. Anything else (LoRA,
-a hooked projection, autocast) calls the modules and concatenates their outputs, as before: equal
-to stock, and the LoRA adapters and hooks see their calls.
+a hooked projection) calls the modules and concatenates their outputs, as before: equal
+to stock, and the LoRA adapters and hooks see their calls. Under autocast the buffer is in autocast's
+dtype, as F.linear's outputs would be.
 """
 
 import pytest
@@ -119,22 +120,34 @@ def test_a_hooked_projection_is_called_and_equals_stock(model_type, kernel, op, 
     assert concatenations(patched[2], intermediate(model))
 
 
-def test_under_autocast_the_projections_are_the_modules(npu_stand_in):
-    """Autocast casts F.linear's inputs; the one-buffer path would not: the modules run."""
-    model = tiny_model("qwen3")
+@MODELS
+def test_under_autocast_the_one_buffer_is_in_autocasts_dtype_and_equals_stock(
+    model_type, kernel, op, npu_stand_in
+):
+    """Autocast casts F.linear's inputs, weights and biases to its dtype: the one-buffer path does the same
+    (fp32 weights, bf16 matmuls), with no concatenation, and each fp32 weight's gradient in its layout."""
+    model = tiny_model(model_type)
     torch.manual_seed(1)
     input_ids = torch.randint(0, 100, (2, 7))
     results = []
-    for kernel in (None, "swiglu"):
-        if kernel:
-            npu_autopatch.enable(kernels=[kernel])
+    for patch in (None, kernel):
+        if patch:
+            npu_autopatch.enable(kernels=[patch])
         try:
             with torch.autocast("cpu", dtype=torch.bfloat16), Ops() as ops:
-                logits, _grads = forward_backward(model, input_ids, input_ids)
+                logits, grads = forward_backward(model, input_ids, input_ids)
         finally:
-            if kernel:
+            if patch:
                 npu_autopatch.disable()
-        results.append((logits, ops.ops))
-    (stock_logits, _), (logits, ops) = results
+        results.append((logits, grads, ops.ops))
+    (stock_logits, stock_grads, _), (logits, grads, ops) = results
     assert relative_error(logits, stock_logits) <= 4e-2
-    assert concatenations(ops, intermediate(model))
+    for name, expected in stock_grads.items():
+        if expected is not None:
+            assert relative_error(grads[name], expected) <= 4e-2, name
+    assert not concatenations(ops, intermediate(model))
+    for name, parameter in model.named_parameters():
+        if parameter.grad is not None:
+            assert parameter.grad.dtype == torch.float32 and parameter.grad.stride() == parameter.stride(), (
+                name
+            )

@@ -3,7 +3,8 @@
 npu_swiglu(x) = silu(first half of x) * second half, fp32 inside. Two layouts of the same math:
 
 - separate projections: down_proj(act_fn(gate_proj(x)) * up_proj(x)). When gate_proj and up_proj are
-  plain ``nn.Linear`` (no hook, no LoRA or quantised layer, no autocast), their two matmuls write the
+  plain ``nn.Linear`` (no hook, no LoRA or quantised layer; under autocast, in its dtype as F.linear
+  would be), their two matmuls write the
   halves of one [2, T, I] buffer (``_GateUp``: gate first) and npu_swiglu takes it along dim 0, so
   nothing is concatenated; otherwise the modules are called and their outputs concatenated, gate
   first, into [T, 2I] (a copy). npu_swiglu takes any dim in [-x.dim(), x.dim() - 1] (op-plugin docs,
@@ -85,31 +86,39 @@ class _GateUp(torch.autograd.Function):
         )
 
 
+# The dtypes autocast casts to its own for F.linear (float64 it leaves as it is).
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _plain_projections(x, *projections):
-    """Whether gate and up are plain ``nn.Linear`` computing F.linear on plain tensors of x's dtype, with no
-    hook of their own, no forward of their own (accelerate's offload wraps the instance's ``forward``) and
-    no autocast: then ``_GateUp`` computes exactly what calling them would. Anything else (a LoRA or
-    quantised layer, a hooked module, DTensor weights, mixed dtypes, autocast) calls the modules. (Global
-    module hooks, a tracker's, see the MLP's call and not its gate and up Linears'.)"""
+    """The dtype F.linear would compute gate and up in, if they are plain ``nn.Linear`` on plain tensors
+    with no hook of their own and no forward of their own (accelerate's offload wraps the instance's
+    ``forward``): then ``_GateUp`` computes exactly what calling them would. Under autocast that is its
+    dtype (F.linear is on its lower-precision list: inputs, weights and biases cast to it); otherwise the
+    tensors must share x's dtype. None for anything else (a LoRA or quantised layer, a hooked module,
+    DTensor weights, mixed dtypes): the modules are called. (Global module hooks, a tracker's, see the
+    MLP's call and not its gate and up Linears'.)"""
     try:
-        if torch.is_autocast_enabled(x.device.type):
-            return False
+        autocast = torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
     except (RuntimeError, TypeError):  # a device type autocast does not know
-        return False
+        return None
     for module in projections:
         if (
             type(module) is not torch.nn.Linear
             or "forward" in vars(module)
             or any(getattr(module, name, None) for name in _MODULE_HOOKS)
         ):
-            return False
+            return None
         for tensor in (module.weight, module.bias):
-            if tensor is not None and (type(tensor) not in _plain_types() or tensor.dtype != x.dtype):
-                return False
-    return type(x) in _plain_types()
+            if tensor is not None and (
+                type(tensor) not in _plain_types()
+                or not (tensor.dtype == dtype or (autocast and tensor.dtype in _AUTOCAST_CASTS))
+            ):
+                return None
+    plain_x = type(x) in _plain_types() and (x.dtype == dtype or (autocast and x.dtype in _AUTOCAST_CASTS))
+    return dtype if plain_x else None
 
 
 def _plain_types():
@@ -125,9 +134,11 @@ def _gate_up(self, x):
     """gate and up of a separate-projections MLP as one [2, T, I] buffer (dim 0 the halves), when they are
     plain Linears; else None (the caller concatenates the modules' outputs)."""
     gate, up = self.gate_proj, self.up_proj
-    if not _plain_projections(x, gate, up) or gate.weight.shape != up.weight.shape:
+    dtype = _plain_projections(x, gate, up)
+    if dtype is None or gate.weight.shape != up.weight.shape:
         return None
-    return _GateUp.apply(x, gate.weight, gate.bias, up.weight, up.bias)
+    tensors = (x, gate.weight, gate.bias, up.weight, up.bias)
+    return _GateUp.apply(*(t if t is None or t.dtype == dtype else t.to(dtype) for t in tensors))
 
 
 def _build_separate(stock, npu, on_error):

@@ -26,12 +26,22 @@ routed to it), for every kernel of the catalogue that changes the layer: a kerne
 with no change here. Candidates not built yet are modelled on the same records: the kernels a fused op would
 replace become one kernel reading the group's inputs from outside it and writing the outputs used after it.
 
+As the device runs it: torch's ``_grouped_mm`` (transformers' default experts) has no NPU kernel, so it counts
+as what its composite does there, the offsets read back to the host (a host sync) and one ``mm`` per expert.
+A value the host reads from device data (``item()``, ``tolist()``) is a host sync; read from a fake tensor, it
+is answered 1 (every expert has rows). The moe kernel's line is also counted on the old release's rules
+(torch_npu 2.7.1), where the device leaves an empty expert's weight gradient unwritten.
+
 The roofline of one kernel is max(bytes / HBM bandwidth, matmul FLOPs / bf16 cube peak) + a launch cost;
-a layer is the sum of its kernels (no overlap between kernels). Sources, docs/performance.md.
+a layer is the sum of its kernels (no overlap between kernels; a host sync costs nothing here, though it
+stalls the host). Sources, docs/performance.md.
 
 Run with the venv's python:
-    .venv/bin/python benchmarks/traffic.py [--quick] [--launch-us 5]
-``--quick``: qwen3 only (tests/test_benchmarks.py runs it).
+    .venv/bin/python benchmarks/traffic.py [--quick] [--models NAME ...] [--json] [--markdown] [--launch-us 5]
+``--quick``: qwen3 only (tests/test_benchmarks.py runs it). ``--json``: one object per line (model, variant:
+"stock", "patched" or a kernel's name, profile, kernels, bytes read + written, host_syncs, model_ms; a
+kernel's line also what it saves against stock), no table. ``--markdown``: docs/performance.md's two tables
+too, as they are written there (tests/test_benchmarks.py checks the qwen3 row against the doc).
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
 import re
 from collections import Counter
@@ -61,7 +72,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 import npu_autopatch
 from npu_autopatch.kernels._catalog import BUILTIN
-from npu_autopatch.testing import stand_in
+from npu_autopatch.testing import DEFAULT, stand_in
 from npu_autopatch.testing.device import attention
 
 aten = torch.ops.aten
@@ -84,8 +95,10 @@ NO_KERNEL = {
     aten.empty_strided,
     aten.new_empty,
     aten.new_empty_strided,
-    aten._local_scalar_dense,
 }
+# Ops whose result the host reads (``item()``, ``tolist()``, a tensor's truth value): the host waits for the
+# device. They launch no kernel here (the copy to the host is the runtime's).
+HOST_SYNC = {aten._local_scalar_dense}
 # Ops that overwrite their first argument without reading it.
 OVERWRITE = {aten.copy_, aten.fill_, aten.zero_}
 # In-place index writes: (op, the argument holding what is written). They read and write those rows only.
@@ -101,7 +114,8 @@ INDEX_WRITE = {
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel: what it is, what it moves and computes, and where (module, forward or backward)."""
+    """One kernel: what it is, what it moves and computes, and where (module, forward or backward); or a host
+    sync (``kernels`` 0, ``host_syncs`` 1): the host waits for the device to read a value back."""
 
     op: str
     read: int
@@ -109,9 +123,12 @@ class Launch:
     flops: int
     where: str
     backward: bool
+    kernels: int = 1
+    host_syncs: int = 0
 
     def seconds(self, launch: float) -> float:
-        return max((self.read + self.written) / HBM_BYTES_PER_S, self.flops / CUBE_FLOPS) + launch
+        moved = max((self.read + self.written) / HBM_BYTES_PER_S, self.flops / CUBE_FLOPS)
+        return moved + self.kernels * launch
 
 
 @dataclass
@@ -182,15 +199,20 @@ def attention_flops(func, args, kwargs, backward: bool) -> int:
 class Traffic(TorchDispatchMode):
     """Records every kernel dispatched; runs an op on real tensors when none of its inputs is fake."""
 
-    def __init__(self, namespace: str, tracker: ModuleTracker) -> None:
+    def __init__(self, namespace: str, tracker: ModuleTracker, experts: int | None = None) -> None:
         super().__init__()
-        self.namespace, self.tracker = namespace, tracker
+        self.namespace, self.tracker, self.experts = namespace, tracker, experts
         self.records: list[Record] = []
         self._alive: list = []  # storages seen, kept alive so that their ids stay theirs
+        self._last_read: int | None = None  # the storage the host read last, if no kernel ran since
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = tensors((args, kwargs))
+        if func.overloadpacket in HOST_SYNC:
+            return self._host_read(func, args, kwargs, inputs[0])
+        if func.overloadpacket is aten.nonzero and isinstance(inputs[0], FakeTensor) and self.experts:
+            return self._routed_nonzero(inputs[0])
         if any(isinstance(t, FakeTensor) for t in inputs):
             out = func(*args, **kwargs)
         else:
@@ -200,6 +222,52 @@ class Traffic(TorchDispatchMode):
             self._record(func, args, kwargs, inputs, out)
         return out
 
+    def _host_read(self, func, args, kwargs, tensor: torch.Tensor):
+        """A value the host reads. From a fake tensor (device data): one host sync per tensor read
+        (``tolist()`` reads its elements one by one), answered 1 (True, 1.0), i.e. every expert has rows
+        (the routing data the fake tensors lack; the moe kernel reads its counts back where the device
+        leaves an empty expert's gradient unwritten). From a real one (what the host computed from the
+        batch layout): no sync, its value."""
+        if not isinstance(tensor, FakeTensor):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        key = self._key(tensor)
+        if key != self._last_read:
+            launch = Launch(
+                f"aten.{func.overloadpacket.__name__}", 0, 0, 0, where(self.tracker), self.tracker.is_bw
+            )
+            self.records.append(
+                Record(dataclasses.replace(launch, kernels=0, host_syncs=1), {}, {}, frozenset())
+            )
+        self._last_read = key
+        return True if tensor.dtype == torch.bool else 1 if not tensor.is_floating_point() else 1.0
+
+    def _routed_nonzero(self, mask: torch.Tensor) -> torch.Tensor:
+        """``nonzero`` of routing data (4.x's expert loops: which experts the batch hit, which rows each
+        expert got) answered as a routing that sends every expert the same number of rows: a mask of E
+        elements is all set, a larger one has 1/E of its elements set, spread evenly. A real index tensor,
+        so that the loop the host runs over it is the device's; one kernel and one host sync (its size)."""
+        count = mask.numel() if mask.numel() == self.experts else mask.numel() // self.experts
+        with unset_fake_temporarily():  # real: the host reads it
+            flat = torch.arange(count) * (mask.numel() // max(count, 1))
+            index = (
+                torch.stack(torch.unravel_index(flat, mask.shape), dim=-1) if mask.dim() else flat[:, None]
+            )
+        launch = Launch(
+            "aten.nonzero",
+            footprint(mask),
+            index.numel() * index.element_size(),
+            0,
+            where(self.tracker),
+            self.tracker.is_bw,
+            host_syncs=1,
+        )
+        self.records.append(
+            Record(launch, {self._key(mask): footprint(mask)}, {}, frozenset({mask.shape[-1]}))
+        )
+        self._last_read = None
+        return index
+
     def _key(self, t: torch.Tensor) -> int:
         storage = t.untyped_storage()
         self._alive.append(storage)
@@ -207,8 +275,14 @@ class Traffic(TorchDispatchMode):
 
     def _record(self, func, args, kwargs, inputs, out) -> None:
         packet, outputs = func.overloadpacket, tensors(out)
+        self._last_read = None
+        if packet is aten._grouped_mm:
+            self._record_grouped_mm(args, inputs, out)
+            return
         read = {self._key(t): footprint(t) for t in inputs}
         written = {self._key(t): footprint(t) for t in outputs}
+        for out_arg in tensors(kwargs.get("out")):  # an out= variant writes it, does not read it
+            read.pop(self._key(out_arg), None)
         if packet in OVERWRITE:
             read.pop(self._key(inputs[0]), None)
         elif packet in INDEX_WRITE:
@@ -230,6 +304,37 @@ class Traffic(TorchDispatchMode):
         )
         last_dims = frozenset(t.shape[-1] for t in (*inputs, *outputs) if t.dim())
         self.records.append(Record(launch, read, written, last_dims))
+
+    def _record_grouped_mm(self, args, inputs, out) -> None:
+        """torch's ``_grouped_mm`` as an NPU runs it: torch 2.13 registers no PrivateUse1 kernel for it
+        (``torch._C._dispatch_has_kernel_for_dispatch_key("aten::_grouped_mm", "PrivateUse1")`` is False)
+        and op-plugin none (only ``_scaled_grouped_mm``, from 26.1.0), so its CompositeExplicitAutograd
+        kernel runs: ``_grouped_mm_fallback`` (aten/src/ATen/native/GroupedMMUtils.h) copies the offsets
+        to the host (a host sync) and calls one ``mm`` per group. The groups share the call's bytes and
+        FLOPs evenly (the routing's split is data the fake tensors lack)."""
+        offsets = args[2]
+        groups = offsets.shape[0]
+        read = {self._key(t): footprint(t) for t in inputs}
+        written = {self._key(t): footprint(t) for t in tensors(out)}
+        flops = grouped_flops([args[:2]])
+        where_, backward = where(self.tracker), self.tracker.is_bw
+        sync = Launch("aten._grouped_mm: offsets to the host", 0, 0, 0, where_, backward, 0, 1)
+        self.records.append(Record(sync, {}, {}, frozenset()))
+        last_dims = frozenset(t.shape[-1] for t in (*inputs, *tensors(out)) if t.dim())
+        for _group in range(groups):
+            share = (
+                {key: n // groups for key, n in read.items()},
+                {key: n // groups for key, n in written.items()},
+            )
+            launch = Launch(
+                "aten.mm",
+                sum(share[0].values()),
+                sum(share[1].values()),
+                flops // groups,
+                where_,
+                backward,
+            )
+            self.records.append(Record(launch, *share, last_dims))
 
     @staticmethod
     def _flops(func, name, args, kwargs, out) -> int:
@@ -267,6 +372,8 @@ class Case:
     build: Callable[[int], torch.nn.Module]
     step: Callable[[torch.nn.Module], None]
     vocab: int | None = None  # a causal LM's: its loss is modelled too
+    title: str = ""  # its row in docs/performance.md's tables
+    experts: int | None = None  # routed experts: 4.x's loops over them are counted with every expert hit
 
 
 def causal_lm(model_type: str, **dims) -> Callable[[int], torch.nn.Module]:
@@ -318,7 +425,8 @@ VISION = {
     "hidden_act": "silu",
 }
 
-# The dims of Qwen3-8B, Qwen3-235B-A22B, Gemma-3-12B (text) and Qwen2.5-VL-7B's vision tower, 4,096 tokens.
+# The dims of Qwen3-8B, Qwen3-235B-A22B, Qwen3-30B-A3B, Gemma-3-12B (text) and Qwen2.5-VL-7B's vision tower,
+# 4,096 tokens.
 CASES = (
     Case(
         "qwen3",
@@ -334,6 +442,7 @@ CASES = (
         ),
         lm_step,
         151936,  # its loss is modelled (qwen3_moe's head is the same)
+        title="qwen3 (Qwen3-8B)",
     ),
     Case(
         "qwen3_moe",
@@ -354,6 +463,30 @@ CASES = (
             vocab_size=151936,
         ),
         lm_step,
+        title="qwen3_moe (Qwen3-235B-A22B)",
+        experts=128,
+    ),
+    Case(
+        "qwen3_moe_30b",
+        "Qwen3-30B-A3B: hidden 2,048, 32/4 heads of 128, 128 experts of 768, top-8",
+        causal_lm(
+            "qwen3_moe",
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+        ),
+        lm_step,
+        title="qwen3_moe_30b (Qwen3-30B-A3B)",
+        experts=128,
     ),
     Case(
         "gemma3",
@@ -370,12 +503,14 @@ CASES = (
             vocab_size=262208,
         ),
         lm_step,
+        title="gemma3 (Gemma-3-12B text)",
     ),
     Case(
         "qwen2_5_vl vision",
         "Qwen2.5-VL-7B vision tower, a windowed block: hidden 1,280, 16 heads, MLP 3,420, one 896x896 image",
         vision_tower,
         vision_step,
+        title="qwen2_5_vl vision tower",
     ),
 )
 
@@ -390,7 +525,7 @@ def run(case: Case, layers: int, npu) -> list[Record]:
         model = case.build(layers)
     model.train()
     tracker = ModuleTracker()
-    traffic = Traffic(npu.PROFILE.namespace, tracker)
+    traffic = Traffic(npu.PROFILE.namespace, tracker, case.experts)
     with fake, tracker, traffic:
         case.step(model)
     return traffic.records
@@ -422,15 +557,17 @@ class Totals:
     written: int
     flops: int
     seconds: float
+    host_syncs: int
 
     @classmethod
     def of(cls, launches: list[Launch], launch: float) -> Totals:
         return cls(
-            len(launches),
+            sum(x.kernels for x in launches),
             sum(x.read for x in launches),
             sum(x.written for x in launches),
             sum(x.flops for x in launches),
             sum(x.seconds(launch) for x in launches),
+            sum(x.host_syncs for x in launches),
         )
 
     @property
@@ -531,84 +668,215 @@ def candidate_saving(
 
 # --- output -----------------------------------------------------------------------------------------------
 
+# The release line whose rules the moe kernel's line is also counted on: torch_npu 2.7.1 (op-plugin 7.2.0,
+# CANN 8.3), whose K-split leaves an empty expert's block unwritten (testing/device/profiles.py).
+OLD_RELEASE = "a2-2.7.1"
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of the table: a layer's totals (stock, patched, or stock with one kernel), or what a kernel
+    or a candidate saves against stock (``saves``: kernels, bytes, seconds)."""
+
+    model: str
+    variant: str
+    profile: str
+    totals: Totals | None
+    saves: tuple[int, int, float] | None = None
+    share: float | None = None  # of the stock layer's modelled time
+    syncs: int | None = None  # host syncs the kernel adds to the stock layer's
+
+    def json(self) -> dict:
+        row: dict = {"model": self.model, "variant": self.variant, "profile": self.profile}
+        if self.totals is not None:
+            t = self.totals
+            row.update(
+                kernels=t.kernels,
+                bytes=t.moved,
+                read=t.read,
+                written=t.written,
+                host_syncs=t.host_syncs,
+                flops=t.flops,
+                model_ms=round(t.seconds * 1e3, 3),
+            )
+        if self.saves is not None:
+            kernels, moved, seconds = self.saves
+            row.update(saves_kernels=kernels, saves_bytes=moved, saves_ms=round(seconds * 1e3, 3))
+            row.update(saves_share=round(self.share, 4))
+        if self.syncs is not None:
+            row.update(adds_host_syncs=self.syncs)
+        return row
+
+    def text(self) -> str:
+        if self.saves is None:
+            t = self.totals
+            return (
+                f"  {self.model:<18} {self.variant:<9} {t.kernels:5d} kernels  read {gb(t.read)}  written "
+                f"{gb(t.written)}  {t.host_syncs:4d} syncs  {t.flops / 1e12:6.2f} TFLOP  "
+                f"model {t.seconds * 1e3:7.2f} ms"
+            )
+        kernels, moved, seconds = self.saves
+        label = self.variant if self.profile == DEFAULT.name else f"{self.variant} ({self.profile})"
+        syncs = "" if self.syncs is None else f", {self.syncs:+d} host syncs"
+        return (
+            f"  {self.model:<18} {label:<32} saves {kernels:4d} kernels, {gb(moved)}, "
+            f"{seconds * 1e3:6.2f} ms = {100 * self.share:5.1f} % of the stock layer{syncs}"
+        )
+
 
 def gb(n: int) -> str:
     return f"{n / 1e9:7.2f} GB"
 
 
-def line(model: str, label: str, totals: Totals) -> str:
-    return (
-        f"  {model:<18} {label:<9} {totals.kernels:5d} kernels  read {gb(totals.read)}  written "
-        f"{gb(totals.written)}  {totals.flops / 1e12:6.2f} TFLOP  model {totals.seconds * 1e3:7.2f} ms"
-    )
+def kernel_line(case: Case, name: str, stock: Totals, alone: Totals, profile: str) -> Line:
+    saves = (stock.kernels - alone.kernels, stock.moved - alone.moved, stock.seconds - alone.seconds)
+    syncs = alone.host_syncs - stock.host_syncs
+    return Line(case.name, name, profile, alone, saves, saves[2] / stock.seconds, syncs)
 
 
-def saving(model: str, label: str, kernels: int, moved: int, seconds: float, layer: float) -> str:
-    return (
-        f"  {model:<18} {label:<32} saves {kernels:4d} kernels, {gb(moved)}, {seconds * 1e3:6.2f} ms "
-        f"= {100 * seconds / layer:5.1f} % of the stock layer"
-    )
-
-
-def report(case: Case, npu, launch: float) -> float:
-    """Print the case's lines; return its stock layer's modelled time."""
-    print(f"{case.name}: {case.shape}")
+def report(case: Case, npu, launch: float) -> tuple[list[Line], Totals]:
+    """The case's lines on ``npu``'s profile, and its stock layer."""
+    profile = npu.PROFILE.name
     stock = Totals.of(per_layer(case, npu)[0], launch)
-    print(line(case.name, "stock", stock))
     with patched():
         launches, two, one = per_layer(case, npu)
-    print(line(case.name, "patched", Totals.of(launches, launch)))
+    lines = [
+        Line(case.name, "stock", profile, stock),
+        Line(case.name, "patched", profile, Totals.of(launches, launch)),
+    ]
     for name in KERNELS:
         with patched(kernels=[name]):
             alone = Totals.of(per_layer(case, npu)[0], launch)
         if alone != stock:
-            moved, seconds = stock.moved - alone.moved, stock.seconds - alone.seconds
-            print(saving(case.name, name, stock.kernels - alone.kernels, moved, seconds, stock.seconds))
+            lines.append(kernel_line(case, name, stock, alone, profile))
     for name, groups in (("candidate add+rms_norm", add_rms_norm), ("candidate moe router", router)):
         if groups(two):  # one layer's saving: the two-layer step's less the one-layer step's
             more, less = (
                 candidate_saving(two, groups(two), launch),
                 candidate_saving(one, groups(one), launch),
             )
-            print(saving(case.name, name, *(a - b for a, b in zip(more, less, strict=True)), stock.seconds))
-    return stock.seconds
+            saves = tuple(a - b for a, b in zip(more, less, strict=True))
+            lines.append(Line(case.name, name, profile, None, saves, saves[2] / stock.seconds))
+    return lines, stock
 
 
-def loss_report(case: Case, npu, launch: float, layer: float) -> None:
+def old_release_lines(case: Case, launch: float) -> list[Line]:
+    """The moe kernel's line on the old release's rules, for a case whose layer it changes."""
+    with stand_in(profile=OLD_RELEASE) as npu:
+        stock = Totals.of(per_layer(case, npu)[0], launch)
+        with patched(kernels=["moe"]):
+            alone = Totals.of(per_layer(case, npu)[0], launch)
+    if alone == stock:
+        return []
+    return [kernel_line(case, "moe", stock, alone, OLD_RELEASE)]
+
+
+def loss_report(case: Case, npu, launch: float, layer: float) -> list[Line]:
     """npu_cross_entropy_loss (and its backward) in the loss kernel's chunks: per training step, not per
     layer, against the stock layer's time."""
     with patched(loss=True):
         records = run(case, 1, npu)
     chunks = cross_entropy_chunks(records, case.vocab)
-    if chunks:
-        label = f"candidate cross_entropy, per step ({len(chunks)} chunks)"
-        print(saving(case.name, label, *candidate_saving(records, chunks, launch, pair=True), layer))
+    if not chunks:
+        return []
+    label = f"candidate cross_entropy, per step ({len(chunks)} chunks)"
+    saves = candidate_saving(records, chunks, launch, pair=True)
+    return [Line(case.name, label, npu.PROFILE.name, None, saves, saves[2] / layer)]
+
+
+def markdown(cases: list[Case], lines: list[Line], launch: float) -> list[str]:
+    """docs/performance.md's two tables: the layer's totals per model, and what each kernel saves."""
+    by_case = {case.name: [line for line in lines if line.model == case.name] for case in cases}
+    counted = [case for case in cases if by_case[case.name]]
+
+    def totals(case: Case, variant: str) -> Totals:
+        return next(line.totals for line in by_case[case.name] if line.variant == variant)
+
+    def at(t: Totals, seconds_per_launch: float) -> float:  # the model's time at another launch cost, ms
+        return (t.seconds + t.kernels * (seconds_per_launch - launch)) * 1e3
+
+    def cell(t: Totals) -> str:
+        return f"{t.kernels}, {t.moved / 1e9:.2f} GB, {t.host_syncs} syncs, {t.seconds * 1e3:.1f} ms"
+
+    out = [
+        "| model | stock: kernels, GB moved, host syncs, model | patched "
+        "| model at 0 / 20 us a launch, stock vs patched |",
+        "|---|---|---|---|",
+    ]
+    for case in counted:
+        stock, patched_ = totals(case, "stock"), totals(case, "patched")
+        times = " / ".join(f"{at(stock, us * 1e-6):.1f} vs {at(patched_, us * 1e-6):.1f}" for us in (0, 20))
+        out.append(f"| {case.title} | {cell(stock)} | {cell(patched_)} | {times} ms |")
+    variants = []
+    for line in lines:
+        key = (line.variant, line.profile)
+        if line.saves is not None and key not in variants:
+            variants.append(key)
+    out += [
+        "",
+        "| kernel | " + " | ".join(case.title for case in counted) + " |",
+        "|---" * (len(counted) + 1) + "|",
+    ]
+    for variant, profile in variants:
+        cells = []
+        for case in counted:
+            found = [x for x in by_case[case.name] if (x.variant, x.profile) == (variant, profile)]
+            if found:
+                kernels, moved, _seconds = found[0].saves
+                cells.append(f"{kernels}, {moved / 1e9:.2f} GB, {100 * found[0].share:.1f} %")
+            else:
+                cells.append("")
+        label = variant if profile == DEFAULT.name else f"{variant} ({profile})"
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out
 
 
 def main() -> None:
+    names = [case.name for case in CASES]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="qwen3 only")
+    parser.add_argument("--models", nargs="+", choices=names, metavar="MODEL", help=f"of {', '.join(names)}")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line, no table")
+    parser.add_argument("--markdown", action="store_true", help="and docs/performance.md's tables")
     parser.add_argument("--launch-us", type=float, default=LAUNCH_S * 1e6, help="the launch cost assumed, us")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("npu_autopatch").setLevel(logging.ERROR)  # "skipped: none of its kernels is selected"
     launch = args.launch_us * 1e-6
-    print(
-        f"per decoder layer, forward + backward, {TOKENS:,} tokens, bf16, counted at full size on fake "
-        f"tensors; roofline model of an Atlas A2: {HBM_BYTES_PER_S / 1e12:.1f} TB/s, "
-        f"{CUBE_FLOPS / 1e12:.1f} TFLOPS bf16, {args.launch_us:g} us a launch (a model, not a measurement)"
-    )
-    with stand_in() as npu:
-        for case in CASES[:1] if args.quick else CASES:
-            try:
-                layer = report(case, npu, launch)
-            except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-                # transformers 4.57's MoE experts loop over the experts the routing hit (stock, and our
-                # 4.x kernel finds them too): how many tokens each gets is data, which fake tensors lack.
-                print(f"  {case.name:<18} not counted: it reads routed data on the host ({exc.func})")
-                continue
-            if case.vocab:
-                loss_report(case, npu, launch, layer)
+    chosen = ["qwen3"] if args.quick else args.models or names
+    show = (lambda line: print(json.dumps(line.json()))) if args.json else (lambda line: print(line.text()))
+    if not args.json:
+        print(
+            f"per decoder layer, forward + backward, {TOKENS:,} tokens, bf16, counted at full size on fake "
+            f"tensors; roofline model of an Atlas A2: {HBM_BYTES_PER_S / 1e12:.1f} TB/s, "
+            f"{CUBE_FLOPS / 1e12:.1f} TFLOPS bf16, {args.launch_us:g} us a launch "
+            "(a model, not a measurement)"
+        )
+    every_line = []
+    for case in (case for case in CASES if case.name in chosen):
+        if not args.json:
+            print(f"{case.name}: {case.shape}")
+        try:
+            with stand_in() as npu:
+                lines, stock = report(case, npu, launch)
+                if case.vocab:
+                    lines += loss_report(case, npu, launch, stock.seconds)
+            if any(line.variant == "moe" for line in lines):
+                lines += old_release_lines(case, launch)
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            # transformers 4.57's MoE experts loop over the experts the routing hit (stock, and our
+            # 4.x kernel finds them too): how many tokens each gets is data, which fake tensors lack.
+            reason = f"it reads routed data on the host ({exc.func})"
+            if args.json:
+                print(json.dumps({"model": case.name, "variant": None, "not_counted": reason}))
+            else:
+                print(f"  {case.name:<18} not counted: {reason}")
+            continue
+        for line in lines:
+            show(line)
+        every_line += lines
+    if args.markdown:
+        print("\n".join(markdown([c for c in CASES if c.name in chosen], every_line, launch)))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ The figures are the scripts' business (README, docs); here each one must start, 
 its measurement once and print the lines that carry its figures.
 """
 
+import functools
 import re
 import subprocess
 import sys
@@ -38,10 +39,15 @@ def test_every_benchmark_has_a_quick_run_here():
     assert sorted(path.name for path in BENCHMARKS.glob("*.py")) == sorted(TABLES)
 
 
+# Options of a script's quick run: traffic.py prints docs/performance.md's tables too (checked below).
+QUICK_OPTIONS = {"traffic.py": ("--markdown",)}
+
+
+@functools.cache
 def quick(script: str) -> str:
-    """The script's output in its quick mode (it must exit 0)."""
+    """The script's output in its quick mode (it must exit 0), run once per session."""
     run = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick"],
+        [sys.executable, str(BENCHMARKS / script), "--quick", *QUICK_OPTIONS.get(script, ())],
         env=child_env(),
         capture_output=True,
         text=True,
@@ -73,7 +79,23 @@ def test_traffic_counts_fewer_kernels_patched_than_stock():
     assert totals.keys() == {"stock", "patched"}, out
     assert totals["patched"][0] < totals["stock"][0], out
     assert totals["patched"][1] < totals["stock"][1], out
-    saves = dict(re.findall(r"^  qwen3 +(\S.*?) +saves +(-?\d+) kernels, .* of the stock layer$", out, re.M))
+    saves = dict(
+        re.findall(
+            r"^  qwen3 +(\S.*?) +saves +(-?\d+) kernels, .* of the stock layer(?:, [+-]\d+ host syncs)?$",
+            out,
+            re.M,
+        )
+    )
     assert {"rms_norm", "swiglu", "rope", "attention", "candidate add+rms_norm"} <= saves.keys(), out
     assert any(label.startswith("candidate cross_entropy, per step") for label in saves), out
     assert int(saves["rms_norm"]) > 0 and int(saves["rope"]) > 0, out
+
+
+def test_the_performance_docs_layer_table_holds_the_scripts_qwen3_row():
+    """docs/performance.md's layer table is traffic.py's output (``--markdown``): its qwen3 row, which the
+    quick run recounts, must be the script's, to the last digit (regenerate the tables when it is not)."""
+    out = quick("traffic.py")
+    rows = [line for line in out.splitlines() if line.startswith("| qwen3 (Qwen3-8B) |")]
+    assert len(rows) == 1, out
+    doc = (ROOT / "docs" / "performance.md").read_text().splitlines()
+    assert rows[0] in doc, f"docs/performance.md's qwen3 row is not the script's:\n{rows[0]}"

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import npu_autopatch
 from npu_autopatch.kernels import KERNELS, choose_variant
@@ -90,7 +91,7 @@ def expected_calls(model_type, profile="a2-newest"):
 def present(model_type):
     """Whether the running transformers has this model and its moe target (without importing the
     modeling module): on 4.x some models' sparse blocks are another computation, left out."""
-    (experts,) = [t for t in MODELS[model_type].targets if t.kernel_name == "moe"]
+    experts = next(t for t in MODELS[model_type].targets if t.kernel_name == "moe")  # the router: after it
     since = experts.since is None or release(transformers.__version__) >= release(experts.since)
     return importable(model_type) and since
 
@@ -238,6 +239,61 @@ def test_a_single_token_matches_stock(model_type, npu_stand_in):
             assert (patched[name] - expected).abs().max() <= 1e-4 * scale, name
 
 
+def stock_route(logits, top_k, renormalise, dtype=torch.float):
+    """transformers' softmax routing (Qwen's TopKRouter, 4.x's sparse blocks): fp32 softmax over every
+    expert, top-k, optionally renormalised (in ``dtype``: fp64 for the reference)."""
+    probs = torch.softmax(logits, dim=-1, dtype=dtype)
+    top, experts = torch.topk(probs, top_k, dim=-1)
+    return (top / top.sum(dim=-1, keepdim=True) if renormalise else top), experts
+
+
+@pytest.mark.parametrize("renormalise", [True, False], ids=["norm_topk_prob", "no-renormalisation"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_routing_on_the_chosen_logits_picks_stocks_experts_with_weights_as_close_to_fp64(renormalise, dtype):
+    """The moe kernel's routing (``_route``: top-k on the logits, then a softmax over the k, or
+    without renormalisation, stock's probabilities gathered) against stock's, 4,096 tokens over 128
+    experts, top-8: the same experts (no ties among distinct random logits), weights no further from the
+    fp64 reference than stock's own, and the same gradient of the logits."""
+    from npu_autopatch.kernels.moe._compute import _route
+
+    torch.manual_seed(0)
+    logits = (torch.randn(4096, 128) * 2).to(dtype).requires_grad_()
+    weights, experts = _route(logits, 8, renormalise)
+    stock_weights, stock_experts = stock_route(logits, 8, renormalise)
+    assert torch.equal(experts, stock_experts)
+    exact, _ = stock_route(logits.double(), 8, renormalise, torch.double)
+    error, stock_error = ((w.double() - exact).norm() / exact.norm() for w in (weights, stock_weights))
+    assert error <= stock_error * 1.05, (error, stock_error)  # relative Frobenius: within rounding of stock's
+    upstream = torch.randn_like(weights)
+    (grad,) = torch.autograd.grad((weights * upstream).sum(), logits)
+    (stock_grad,) = torch.autograd.grad((stock_weights * upstream).sum(), logits)
+    tolerance = {"rtol": 1e-4, "atol": 1e-6} if dtype == torch.float32 else {}  # bf16: its own rounding
+    torch.testing.assert_close(grad, stock_grad, **tolerance)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "mixtral"], indirect=True)
+def test_the_patched_router_returns_stocks_logits_experts_and_weights(model_type, npu_stand_in):
+    """5.x's ``*TopKRouter`` under the moe kernel (its router variants): the same logits, the same experts,
+    the same weights in the same dtype (Qwen's cast to the logits' dtype, Mixtral's fp32)."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("4.57's sparse blocks route inside the moe kernel's block forward")
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model(model_type, dtype)
+        router = model.model.layers[-1].mlp.gate  # a sparse layer (the last)
+        x = torch.randn(64, model.config.hidden_size, dtype=dtype)
+        with torch.no_grad():
+            stock = router(x)
+            npu_autopatch.enable(models=[model_type], kernels=["moe"])
+            try:
+                assert type(router).forward.__module__ == "npu_autopatch.kernels.moe"
+                patched = router(x)
+            finally:
+                npu_autopatch.disable()
+        assert torch.equal(patched[0], stock[0]) and torch.equal(patched[2], stock[2])
+        assert patched[1].dtype == stock[1].dtype
+        torch.testing.assert_close(patched[1], stock[1])
+
+
 class GatedMLP(torch.nn.Module):
     """A 4.x expert: down(silu(gate(x)) * up(x))."""
 
@@ -275,13 +331,13 @@ def list_module(experts, hidden, intermediate):
     ],
     ids=["fused-weights", "module-list"],
 )
-@pytest.mark.parametrize("profile", ["a2-newest", "a2-2.7.1"])
+@pytest.mark.parametrize("profile", ["a2-newest", "a2-2.7.1", "950-newest"])
 def test_an_expert_without_rows_between_others(variant, make_module, empty_expert, profile):
     """Twelve tokens routed around expert 1: an empty group between full ones, in the forward
     grouped matmuls, dx (group type 0) and dW (group type 2), against the stock loop.
 
-    On 2.7.1 (CANN 8.3) the K-split leaves an empty group's block unwritten (NaN in the stand-in):
-    the kernel must zero it itself."""
+    On 2.7.1 (CANN 8.3) and on the Ascend 950 (whose path was not read) the K-split leaves an empty
+    group's block unwritten (NaN in the stand-in): the kernel must zero it itself."""
     with stand_in(profile=profile) as npu_stand_in:
         check_an_expert_without_rows(variant, make_module, empty_expert, npu_stand_in)
 
@@ -321,6 +377,107 @@ def check_an_expert_without_rows(variant, make_module, empty_expert, npu_stand_i
         assert empty is None
     else:
         assert (stock_empty == 0).all() and (empty == 0).all()
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_the_kernel_knows_which_devices_zero_an_empty_experts_block(profile):
+    """The kernel's rule (SoC family and CANN version) agrees with each stand-in profile's, read from
+    the CANN kernel's sources: it zeroes dW itself exactly where the device leaves the block unwritten."""
+    from npu_autopatch.kernels.moe._compute import _k_split_zeroes_empty_groups
+
+    with stand_in(profile=profile) as npu:
+        assert _k_split_zeroes_empty_groups(npu) == npu.PROFILE.gmm_zero_fills_empty_groups
+        del npu.npu.utils  # a torch_npu without the query: the kernel zeroes the blocks itself
+        assert not _k_split_zeroes_empty_groups(npu)
+
+
+def kn_module(experts, hidden, intermediate):
+    """4.57 Qwen3-VL-MoE's experts: the weights already in the grouped matmul's [E, K, N] layout."""
+    module = torch.nn.Module()
+    module.num_experts, module.hidden_size = experts, hidden
+    module.gate_up_proj = torch.nn.Parameter(torch.randn(experts, hidden, 2 * intermediate) / hidden**0.5)
+    module.down_proj = torch.nn.Parameter(torch.randn(experts, intermediate, hidden) / intermediate**0.5)
+    module.act_fn = torch.nn.SiLU()
+    return module
+
+
+def kn_experts(self, hidden_states, routing_weights, router_indices):
+    """4.57 Qwen3VLMoeTextExperts.forward's training loop (dense [T, E] routing weights)."""
+    x = hidden_states.reshape(-1, self.hidden_size)
+    out = torch.zeros_like(x)
+    for expert in range(self.num_experts):
+        token = torch.where((router_indices == expert).any(-1))[0]
+        gate, up = (x[token] @ self.gate_up_proj[expert]).chunk(2, dim=-1)
+        rows = (F.silu(gate) * up) @ self.down_proj[expert]
+        out.index_add_(0, token, rows * routing_weights[token, expert, None])
+    return out.view(hidden_states.shape[0], -1, self.hidden_size)
+
+
+class BackwardOps(TorchDispatchMode):
+    """The aten ops a backward dispatches, with the largest tensor each one writes or reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "aten" and not func.is_view:
+            tensors = (*args, *torch.utils._pytree.tree_leaves(out))
+            touched = [t for t in tensors if isinstance(t, torch.Tensor)]
+            self.ops.append((func.overloadpacket.__name__, max((t.numel() for t in touched), default=0)))
+        return out
+
+
+# A whole-tensor pass that moves a weight's gradient without computing it: a fill, or a copy into
+# another layout (AccumulateGrad's, a clone, a contiguous copy).
+COPIES_AND_FILLS = {"copy_", "clone", "_to_copy", "fill_", "zero_", "masked_fill_", "masked_fill"}
+
+
+@pytest.mark.parametrize(
+    ("variant", "make_module", "every_expert_has_rows"),
+    [("experts", fused_module, False), ("experts-kn", kn_module, False), ("moe-method", list_module, True)],
+    ids=["5.x-fused", "4.57-qwen3-vl-moe", "4.x-module-list"],
+)
+@pytest.mark.parametrize("profile", ["a2-newest", "a2-2.7.1"])
+def test_each_weight_gradient_arrives_in_its_parameters_strides_with_no_weight_sized_copy(
+    variant, make_module, every_expert_has_rows, profile
+):
+    """The backward's ops, counted on the stand-in: two grouped matmuls per weight (dx, dW), each dW
+    written in the parameter's own layout (so AccumulateGrad takes it as it is) and never copied.
+    Only where the device's K-split leaves an empty expert's block unwritten (2.7.1: CANN 8.3) does the
+    kernel zero that expert's block, one small fill per weight (expert 1 has no rows); the stacked 4.x
+    experts have no empty expert."""
+    torch.manual_seed(0)
+    module = make_module(4, 16, 8)
+    with stand_in(profile=profile) as npu:
+        kernel = next(v for v in KERNELS["moe"].variants if v.name == variant).build(None, npu, None)
+        x = torch.randn(12, 16, requires_grad=True)
+        index = torch.tensor([0, 2, 3])[torch.argsort(torch.randn(12, 3), dim=-1)[:, :2]]
+        weights = torch.softmax(torch.randn(12, 2), dim=-1).requires_grad_()
+        if variant == "experts-kn":
+            dense = torch.zeros(12, 4).scatter(1, index, weights)
+            out = kernel(module, x.view(1, 12, 16), dense, index)
+        else:
+            out = kernel(module, x, index, weights)
+        calls = npu.calls["npu_grouped_matmul"]
+        with BackwardOps() as recorded:
+            out.square().sum().backward()
+        assert npu.calls["npu_grouped_matmul"] - calls == 4
+    parameters = dict(module.named_parameters())
+    smallest = min(p.numel() for p in parameters.values() if p.grad is not None)
+    moved = [(op, n) for op, n in recorded.ops if op in COPIES_AND_FILLS and n >= smallest // 4]
+    fills = 0 if every_expert_has_rows or PROFILES[profile].gmm_zero_fills_empty_groups else 2
+    # a fill of one expert's block: a quarter of the weight (four experts)
+    sizes = sorted(p.numel() // 4 for p in parameters.values())[:fills]
+    assert sorted(moved) == [("zero_", n) for n in sizes], moved
+    for name, parameter in parameters.items():
+        if parameter.grad is not None:
+            assert parameter.grad.stride() == parameter.stride(), name
+            assert parameter.grad.isfinite().all(), name
+    assert sum(p.grad is not None for p in parameters.values()) == len(parameters) - (
+        3 if every_expert_has_rows else 0
+    )  # 4.x: expert 1, without rows, gets no gradient (None) as in the stock loop
 
 
 @pytest.mark.parametrize(

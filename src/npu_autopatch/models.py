@@ -29,8 +29,11 @@ def _dense(model_type, prefix, rope=("apply_rotary_pos_emb",), since="4.57"):
     )
 
 
-def _moe(model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="4.57", experts="5.0"):
-    """A dense-layer model plus routed experts: 5.x fused ``*Experts``, else the 4.x ``block``.
+def _moe(
+    model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="4.57", experts="5.0", router=False
+):
+    """A dense-layer model plus routed experts: 5.x fused ``*Experts``, else the 4.x ``block``; with
+    ``router``, 5.x's softmax ``*TopKRouter`` too (the moe kernel routes on the chosen logits only).
 
     Without ``block``, the experts target is left out before the release ``experts`` that fused
     them: the earlier experts are left to the other targets (``*MLP`` modules get swiglu) or stock,
@@ -40,7 +43,8 @@ def _moe(model_type, prefix, block=None, rope=("apply_rotary_pos_emb",), since="
     dense = _dense(model_type, prefix, rope, since)
     fused = f"{prefix}Experts.forward"
     routed = Target("moe", fused, block) if block else Target("moe", fused, since=experts)
-    return Model(model_type, *dense.targets, routed, since=since)
+    routers = (Target("moe", f"{prefix}TopKRouter.forward", since=experts),) if router else ()
+    return Model(model_type, *dense.targets, routed, *routers, since=since)
 
 
 # In 4.x a sparse block's experts are a ModuleList and the whole block forward (or the
@@ -55,8 +59,8 @@ _TABLE = {
         _dense("mistral", "Mistral"),
         _dense("qwen2", "Qwen2"),
         _dense("qwen3", "Qwen3"),
-        _moe("qwen2_moe", "Qwen2Moe", "Qwen2MoeSparseMoeBlock.forward"),
-        _moe("qwen3_moe", "Qwen3Moe", "Qwen3MoeSparseMoeBlock.forward"),
+        _moe("qwen2_moe", "Qwen2Moe", "Qwen2MoeSparseMoeBlock.forward", router=True),
+        _moe("qwen3_moe", "Qwen3Moe", "Qwen3MoeSparseMoeBlock.forward", router=True),
         # The default path (config.rope_interleave=True); apply_rotary_pos_emb is the other one.
         _moe(
             "deepseek_v3",
@@ -276,6 +280,7 @@ _TABLE = {
             Target("rms_norm", "MixtralRMSNorm.forward"),
             Target("rope", "apply_rotary_pos_emb"),
             Target("moe", "MixtralExperts.forward", since="5.0"),
+            Target("moe", "MixtralTopKRouter.forward", since="5.0"),
             Target("loss", "MixtralForCausalLM.forward"),
         ),
         _dense("ministral", "Ministral"),

@@ -2,8 +2,14 @@
 
 npu_swiglu(x) = silu(first half of x) * second half, fp32 inside. Two layouts of the same math:
 
-- separate projections: down_proj(act_fn(gate_proj(x)) * up_proj(x)); gate goes first in the
-  concatenation. The Linears may carry a bias (the Qwen2.5-VL vision MLP): it is inside them.
+- separate projections: down_proj(act_fn(gate_proj(x)) * up_proj(x)). When gate_proj and up_proj are
+  plain ``nn.Linear`` (no hook, no LoRA or quantised layer; under autocast, in its dtype as F.linear
+  would be), their two matmuls write the
+  halves of one [2, T, I] buffer (``_GateUp``: gate first) and npu_swiglu takes it along dim 0, so
+  nothing is concatenated; otherwise the modules are called and their outputs concatenated, gate
+  first, into [T, 2I] (a copy). npu_swiglu takes any dim in [-x.dim(), x.dim() - 1] (op-plugin docs,
+  torch_npu-npu_swiglu.md; aclnnSwiGlu's dimOptional), npu_geglu any dim in range
+  (GeGluKernelNpuOpApi.cpp; aclnnGeGluV3). The Linears may carry a bias (the Qwen2.5-VL vision MLP).
 - one fused projection (GLM-4 ``Glm4MLP``): gate, up = gate_up_proj(x).chunk(2);
   down_proj(up * activation_fn(gate)). The projection output already is [gate, up], so it goes
   to npu_swiglu as it is, with no concatenation.
@@ -46,6 +52,95 @@ def _stock_rule(activation, silu_types):
     return "empty input" if type(activation) in silu_types else f"activation {type(activation).__name__}"
 
 
+class _GateUp(torch.autograd.Function):
+    """[2, T, I]: x @ gate^T (+ its bias) and x @ up^T (+ its bias), each matmul writing its own half of one
+    buffer, which the fused activation reads along dim 0: no [T, 2I] concatenation (a copy of both
+    projections' outputs). The backward: dx with one matmul and one addmm, each weight's gradient in the
+    weight's own [I, H] layout, each bias's as a row sum."""
+
+    @staticmethod
+    def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias):
+        tokens = x.reshape(-1, x.shape[-1])
+        out = tokens.new_empty((2, tokens.shape[0], gate_weight.shape[0]))
+        for half, (weight, bias) in enumerate(((gate_weight, gate_bias), (up_weight, up_bias))):
+            if bias is None:
+                torch.mm(tokens, weight.t(), out=out[half])
+            else:
+                torch.addmm(bias, tokens, weight.t(), out=out[half])
+        ctx.save_for_backward(tokens, gate_weight, up_weight)
+        ctx.input_shape = x.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        tokens, gate_weight, up_weight = ctx.saved_tensors
+        dgate, dup = grad.contiguous()
+        needs = ctx.needs_input_grad
+        dx = torch.addmm(dgate @ gate_weight, dup, up_weight).view(ctx.input_shape) if needs[0] else None
+        return (
+            dx,
+            dgate.t() @ tokens if needs[1] else None,
+            dgate.sum(0) if needs[2] else None,
+            dup.t() @ tokens if needs[3] else None,
+            dup.sum(0) if needs[4] else None,
+        )
+
+
+# The dtypes autocast casts to its own for F.linear (float64 it leaves as it is).
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _plain_projections(x, *projections):
+    """The dtype F.linear would compute gate and up in, if they are plain ``nn.Linear`` on plain tensors
+    with no hook of their own and no forward of their own (accelerate's offload wraps the instance's
+    ``forward``): then ``_GateUp`` computes exactly what calling them would. Under autocast that is its
+    dtype (F.linear is on its lower-precision list: inputs, weights and biases cast to it); otherwise the
+    tensors must share x's dtype. None for anything else (a LoRA or quantised layer, a hooked module,
+    DTensor weights, mixed dtypes): the modules are called. (Global module hooks, a tracker's, see the
+    MLP's call and not its gate and up Linears'.)"""
+    try:
+        autocast = torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return None
+    for module in projections:
+        if (
+            type(module) is not torch.nn.Linear
+            or "forward" in vars(module)
+            or any(getattr(module, name, None) for name in _MODULE_HOOKS)
+        ):
+            return None
+        for tensor in (module.weight, module.bias):
+            if tensor is not None and (
+                type(tensor) not in _plain_types()
+                or not (tensor.dtype == dtype or (autocast and tensor.dtype in _AUTOCAST_CASTS))
+            ):
+                return None
+    plain_x = type(x) in _plain_types() and (x.dtype == dtype or (autocast and x.dtype in _AUTOCAST_CASTS))
+    return dtype if plain_x else None
+
+
+def _plain_types():
+    """Tensor types whose matmuls are F.linear's: plain tensors and parameters, and the fake and functional
+    tensors torch.compile traces with; not a subclass computing otherwise (DTensor, a quantised weight)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (torch.Tensor, torch.nn.Parameter, FakeTensor, FunctionalTensor)
+
+
+def _gate_up(self, x):
+    """gate and up of a separate-projections MLP as one [2, T, I] buffer (dim 0 the halves), when they are
+    plain Linears; else None (the caller concatenates the modules' outputs)."""
+    gate, up = self.gate_proj, self.up_proj
+    dtype = _plain_projections(x, gate, up)
+    if dtype is None or gate.weight.shape != up.weight.shape:
+        return None
+    tensors = (x, gate.weight, gate.bias, up.weight, up.bias)
+    return _GateUp.apply(*(t if t is None or t.dtype == dtype else t.to(dtype) for t in tensors))
+
+
 def _build_separate(stock, npu, on_error):
     silu_types = _silu_types()
     cat = torch.cat
@@ -55,9 +150,12 @@ def _build_separate(stock, npu, on_error):
         if type(self.act_fn) not in silu_types or not x.numel():
             count_stock(lambda: _stock_rule(self.act_fn, silu_types), x)
             return stock(self, x)
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        halves = _gate_up(self, x)
         try:
-            hidden = npu.npu_swiglu(cat((gate, up), dim=-1), dim=-1)
+            if halves is None:
+                hidden = npu.npu_swiglu(cat((self.gate_proj(x), self.up_proj(x)), dim=-1), dim=-1)
+            else:
+                hidden = npu.npu_swiglu(halves, dim=0).view(*x.shape[:-1], halves.shape[-1])
         except Exception as exc:
             on_error(exc, x)
             return stock(self, x)
@@ -156,11 +254,15 @@ def _build_geglu(stock, npu, on_error):
         if mode is None:
             count_stock(lambda: f"activation {type(self.act_fn).__name__}", x)
             return stock(self, x)
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        halves = _gate_up(self, x)
+        approximate = _GEGLU_APPROXIMATE[mode]
         try:
-            hidden, _gelu = npu.npu_geglu(
-                cat((gate, up), dim=-1), dim=-1, approximate=_GEGLU_APPROXIMATE[mode], activate_left=True
-            )
+            if halves is None:
+                joined = cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+                hidden, _gelu = npu.npu_geglu(joined, dim=-1, approximate=approximate, activate_left=True)
+            else:
+                hidden, _gelu = npu.npu_geglu(halves, dim=0, approximate=approximate, activate_left=True)
+                hidden = hidden.view(*x.shape[:-1], halves.shape[-1])
         except Exception as exc:
             on_error(exc, x)
             return stock(self, x)

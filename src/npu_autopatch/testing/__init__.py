@@ -60,6 +60,28 @@ def _make_npu_submodule(available: bool, profile: Profile) -> types.ModuleType:
         return profile.soc
 
     npu.is_available, npu.device_count, npu.get_device_name = is_available, device_count, get_device_name
+
+    def get_cann_version(module: str = "CANN") -> str:
+        # torch_npu.npu.utils.get_cann_version (op-plugin docs): the installed CANN's version, "" for an
+        # unknown module; the profile's CANN for every module here.
+        known = ("CANN", "RUNTIME", "COMPILER", "HCCL", "TOOLKIT", "OPP", "OPP_KERNEL")
+        return profile.cann if module in known else ""
+
+    npu.utils = types.SimpleNamespace(get_cann_version=get_cann_version)
+
+    class Event:
+        """torch_npu.npu.Event: the stand-in's ops run synchronously, so every event has passed."""
+
+        def record(self, stream: object = None) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    npu.Event = Event
     # What trainers call on torch.npu around a run whose tensors stay on the CPU (accelerate's
     # set_seed and free_memory, Trainer's memory metrics): no device state to touch.
     npu.empty_cache = npu.synchronize = npu.reset_peak_memory_stats = lambda *args, **kwargs: None

@@ -12,14 +12,17 @@ whose experts' ``act_fn`` is not SiLU.
 
 ``npu_grouped_matmul`` has no autograd at all (its gradients silently vanish), so it runs
 inside an autograd Function (``_grouped_matmul``) whose backward is grouped matmuls too:
-dx = dy @ W[e]^T (group type 0) and dW[e] = x[rows of e]^T @ dy[rows of e] (group type 2,
-which splits the contraction axis and gives one [K, N] block per expert). An expert with no
-rows gets a zero block from us, not from the kernel: current CANN writes zeros there
-(ops-transformer grouped_matmul_vector.h, EmptyTensorCompute), older CANN is unverified, and
-an all-empty x skips the kernel and leaves its output uninitialised (aclnn_grouped_matmul.cpp
-CheckZeroShape). Its weight is gmm's [E, K, N]; the HF [E, N, K] layouts are passed as
-transposed views, which the op takes without a copy (M-split: x must not be transposed;
-K-split: x must be, the weight must not be; aclnn_grouped_matmul.cpp).
+dx = dy @ W[e]^T (group type 0) and dW (group type 2, which splits the contraction axis and
+gives one block per expert), written in the parameter's own layout so that AccumulateGrad
+takes it without a copy: for the HF [E, N, K] parameters, passed to the forward as transposed
+views (M-split: x must not be transposed; aclnn_grouped_matmul.cpp), dW^T = dy^T x is one
+K-split with the gradient transposed (x transposed, weight not: CheckCaseSplitK), handed back
+as a transposed view. An expert with no rows gets a zero block: the A2/A3 kernel writes it on
+CANN 8.5 and later (ops-transformer grouped_matmul.cpp, EmptyTensorCompute); elsewhere (older
+CANN, the Ascend 950: unread) the backward zeroes those blocks itself, one small fill per empty
+expert, found from the counts copied to pinned host memory in the forward (``_EmptyExperts``).
+An all-empty x skips the kernel and leaves its output uninitialised
+(aclnn_grouped_matmul.cpp CheckZeroShape): such a call runs stock (below).
 
 npu_moe_token_unpermute takes every (tokens, probs) dtype pair and returns the tokens' dtype
 (moe_token_unpermute_def.cpp), so the expert output goes in as it is, in the input dtype, and
@@ -56,11 +59,11 @@ Variants (the probe picks the one whose stock math it reproduces):
 
 4.x ModuleList weights are stacked into one [E', 2I, H] and one [E', H, I] tensor per
 forward, of the E' experts that have rows: a copy of their weights per call, from which
-autograd hands each expert its slice of the gradient, while an expert without rows gets
-no gradient (None), as in the stock loop, so an optimizer skips it there too. Finding
-them costs one host sync per layer, which the stock loop pays as well. The op's list
-form would avoid the copy but takes at most 128 weights (DeepSeek-V3 has 256 routed
-experts, Qwen3-Next 512), and a cached stack would go stale after an optimizer step.
+autograd hands each expert its slice of the gradient (in the weight's own strides: no copy),
+while an expert without rows gets no gradient (None), as in the stock loop, so an optimizer
+skips it there too. Finding them costs one host sync per layer, which the stock loop pays as
+well. The op's list form would avoid the copy but takes at most 128 weights (DeepSeek-V3 has
+256 routed experts, Qwen3-Next 512), and a cached stack would go stale after an optimizer step.
 
 The experts-implementation registry of 5.x: the class attribute ``forward`` of a fused
 experts class is ``use_experts_implementation``'s wrapper, which looks up
@@ -94,92 +97,7 @@ from .._probe import (
 from .._requirements import moe_requirement
 from ..mlp import _silu_types
 from . import _experts_registry
-
-
-def _grouped_matmul(npu):
-    """fn(x, weight [E, K, N], counts int64 [E]): the rows of expert e of x @ weight[e], with a backward.
-
-    One autograd Function per torch_npu module, closing over it, so that torch.compile traces it
-    with nothing but tensors in its arguments.
-    """
-
-    class GroupedMatmul(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, weight, counts):
-            ctx.save_for_backward(x, weight, counts)
-            return npu.npu_grouped_matmul(
-                [x], [weight], group_list=counts, group_type=0, split_item=3, group_list_type=1
-            )[0]
-
-        @staticmethod
-        def backward(ctx, dy):
-            x, weight, counts = ctx.saved_tensors
-            dy = dy.contiguous()  # a transposed dy would count as a transposed x or weight
-            dx = dweight = None
-            if ctx.needs_input_grad[0]:
-                dx = npu.npu_grouped_matmul(
-                    [dy],
-                    [weight.transpose(1, 2)],
-                    group_list=counts,
-                    group_type=0,
-                    split_item=3,
-                    group_list_type=1,
-                )[0]
-            if ctx.needs_input_grad[1]:
-                dweight = npu.npu_grouped_matmul(
-                    [x.t()], [dy], group_list=counts, group_type=2, split_item=3, group_list_type=1
-                )[0]
-                # The block of an expert without rows is ours to zero, not the kernel's to fill.
-                dweight.masked_fill_((counts == 0)[:, None, None], 0)
-            return dx, dweight, None
-
-    return GroupedMatmul.apply
-
-
-def _counts(top_k_index, num_experts):
-    """int64 [E]: the rows of each expert. histc, as transformers' grouped_mm path: no host sync."""
-    return torch.histc(top_k_index.float(), bins=num_experts, min=0, max=num_experts).to(torch.int64)
-
-
-def _routed_experts(npu):
-    """fn(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], gate_up [E, H, 2I],
-    down [E, I, H], counts [E]) -> [T, H] in the input dtype: each token's weighted experts."""
-    grouped_matmul = _grouped_matmul(npu)
-
-    def routed_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, counts):
-        permuted, sorted_indices = npu.npu_moe_token_permute(hidden_states, top_k_index)
-        up = npu.npu_swiglu(grouped_matmul(permuted, gate_up, counts), dim=-1)
-        out = grouped_matmul(up, down, counts)
-        return npu.npu_moe_token_unpermute(out, sorted_indices, top_k_weights)
-
-    return routed_experts
-
-
-def _hit(experts, top_k_index):
-    """(the experts of a ModuleList that have rows, the rows of every expert): one host sync, as
-    the stock loop pays to find them."""
-    counts = _counts(top_k_index, len(experts))
-    return counts.nonzero().flatten().tolist(), counts
-
-
-def _stacked(experts, hit, counts):
-    """The ``hit`` experts of a ModuleList as gmm weights [E', H, 2I], [E', I, H], and their counts.
-
-    Only those: as in the stock loop, an expert without rows gets no gradient (None, which
-    optimizers skip, not zeros). None when a hit expert is not a gated MLP (4.57 LongCat-Flash's
-    ``nn.Identity`` zero experts): that call runs the stock loop.
-    """
-    try:
-        gate_up = torch.stack(
-            [w for i in hit for w in (experts[i].gate_proj.weight, experts[i].up_proj.weight)]
-        )
-        down = torch.stack([experts[i].down_proj.weight for i in hit])
-    except AttributeError:
-        return None
-    pairs, intermediate, hidden = gate_up.shape
-    gate_up = gate_up.view(pairs // 2, 2 * intermediate, hidden).transpose(1, 2)
-    return gate_up, down.transpose(1, 2), counts[hit]
-
+from ._compute import _counts, _hit, _route, _routed_experts, _stacked
 
 # --- builds ---------------------------------------------------------------------------
 
@@ -284,8 +202,8 @@ def _build_experts_kn(stock, npu, on_error):
 def _build_sparse_block(shared):
     def build(stock, npu, on_error):
         silu_types = _silu_types()
-        routed_experts = _routed_experts(npu)
-        softmax, sigmoid, topk, float32 = torch.softmax, torch.sigmoid, torch.topk, torch.float32
+        routed_experts = _routed_experts(npu, every_expert_has_rows=True)
+        sigmoid = torch.sigmoid
         count_fused, count_stock = counters(on_error)
 
         def forward(self, hidden_states):
@@ -297,10 +215,7 @@ def _build_sparse_block(shared):
             batch_size, sequence_length, hidden_dim = hidden_states.shape
             tokens = hidden_states.view(-1, hidden_dim)
             router_logits = self.gate(tokens)
-            routing_weights = softmax(router_logits, dim=1, dtype=float32)
-            routing_weights, selected_experts = topk(routing_weights, self.top_k, dim=-1)
-            if self.norm_topk_prob:
-                routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+            routing_weights, selected_experts = _route(router_logits, self.top_k, self.norm_topk_prob)
             routing_weights = routing_weights.to(tokens.dtype)
             hit, counts = _hit(experts, selected_experts)
             stacked = _stacked(experts, hit, counts) if len(hit) > 1 else None
@@ -326,7 +241,7 @@ def _build_sparse_block(shared):
 
 def _build_moe_method(stock, npu, on_error):
     silu_types = _silu_types()
-    routed_experts = _routed_experts(npu)
+    routed_experts = _routed_experts(npu, every_expert_has_rows=True)
     count_fused, count_stock = counters(on_error)
 
     def moe(self, hidden_states, topk_indices, topk_weights):
@@ -350,6 +265,30 @@ def _build_moe_method(stock, npu, on_error):
         return out
 
     return moe
+
+
+def _build_router(renormalise_always, cast):
+    """A 5.x ``*TopKRouter.forward`` (softmax routing): ``_route`` on its logits. Qwen's renormalises when
+    ``norm_topk_prob`` and casts the weights to the logits' dtype; Mixtral's always renormalises and keeps
+    them in fp32."""
+
+    def build(stock, npu, on_error):
+        count_fused, _count_stock = counters(on_error)
+        linear_ = torch.nn.functional.linear
+
+        def forward(self, hidden_states):
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            router_logits = linear_(hidden_states, self.weight)
+            renormalise = renormalise_always or self.norm_topk_prob
+            router_scores, router_indices = _route(router_logits, self.top_k, renormalise)
+            if cast:
+                router_scores = router_scores.to(router_logits.dtype)
+            count_fused()
+            return router_logits, router_scores, router_indices
+
+        return forward
+
+    return build
 
 
 # --- probes: the stock code on tiny fake modules, E=4 experts, top-2, H=16, I=8 --------
@@ -488,6 +427,25 @@ def _probe_moe_method(stock, candidate):
     )
 
 
+def _probe_router(stock, candidate):
+    wrong = signature_reason(stock, ("self", "hidden_states"))
+    if wrong:
+        return wrong
+    gen = generator()
+    router = _module(stock, top_k=_K, num_experts=_E, hidden_dim=_H, weight=_param(gen, _E, _H))
+    x = randn(gen, _T, _H) * 4  # logits spread enough that no two are within rounding of each other
+    reasons = []
+    for norm_topk_prob in (True, False):
+        router.norm_topk_prob = norm_topk_prob
+        for dtype in (torch.float32, torch.bfloat16):  # the weights' dtype after the router: cast or fp32
+            router.to(dtype)
+            inputs = x.to(dtype)
+            reasons.append(
+                agree_strict(lambda x=inputs: stock(router, x), lambda x=inputs: candidate(router, x))
+            )
+    return first_disagreement(*reasons)
+
+
 MOE = Kernel(
     _experts_registry.KERNEL,
     ("npu_grouped_matmul", "npu_swiglu", "npu_moe_token_permute", "npu_moe_token_unpermute"),
@@ -497,6 +455,8 @@ MOE = Kernel(
         Variant("sparse-block", _build_sparse_block(shared=False), _probe_sparse_block(shared=False)),
         Variant("sparse-block-shared", _build_sparse_block(shared=True), _probe_sparse_block(shared=True)),
         Variant("moe-method", _build_moe_method, _probe_moe_method),
+        Variant("router", _build_router(renormalise_always=False, cast=True), _probe_router),
+        Variant("router-fp32", _build_router(renormalise_always=True, cast=False), _probe_router),
     ),
     requires=moe_requirement,
     # 5.x's fused experts: an experts implementation in transformers' registry, not a replaced forward

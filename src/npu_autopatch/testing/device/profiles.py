@@ -289,9 +289,11 @@ class Profile:
     # npu_grouped_matmul's accepted group_type values (GroupedMatmulKernelNpuOpApi.cpp of the branch).
     gmm_group_types: frozenset[int] = frozenset({-1, 0, 2})
     # Whether the K-split (group_type 2) writes zeros for a group with no rows. ops-transformer's
-    # grouped_matmul_vector.h EmptyTensorCompute does, since the repository's first import
+    # grouped_matmul_vector.h EmptyTensorCompute does, called from grouped_matmul.cpp's A2/A3 path
+    # (``__CCE_AICORE__ == 220``, tiling key 1, x transposed), since the repository's first import
     # (2025-09, the CANN 8.5 line); for older CANN it is unverified, so the stand-in leaves
-    # such blocks as uninitialised memory (NaN), the worst case.
+    # such blocks as uninitialised memory (NaN), the worst case. The moe kernel decides the same
+    # from the SoC name and the CANN version (``npu.utils.get_cann_version``).
     gmm_zero_fills_empty_groups: bool = True
     # torch_npu's sdpa, by the op-plugin branch of ``op_plugin`` (sdpa.py).
     sdpa: SdpaRules = SDPA_RULES["master"]
@@ -350,6 +352,9 @@ ASCEND_950 = Profile(
     device="Ascend 950",
     soc="Ascend950",
     forward_sink=False,
+    # The 950's grouped matmul (ops-transformer op_kernel/arch35) was not read: whether its K-split
+    # zeroes an empty group is unknown, so the stand-in takes the worst case.
+    gmm_zero_fills_empty_groups=False,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (NEWEST, V2_7_1, V2_6_0, ASCEND_950)}

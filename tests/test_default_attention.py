@@ -171,8 +171,8 @@ NOT_RUN = {
     "qwen3_omni_moe": {"right_padded": _THINKER, "left_padded": _THINKER},
     "kimi_linear": {"packed": _LINEAR, "cu_seq_lens": _LINEAR},
 }
-# Model types the route leaves on sdpa (kernels/attention/_route.py ``_FA2_FAILS``): transformers' own FA2 path
-# fails for them (glm4v_moe at batch size 1; on 4.57 right padding refused, packed documents mixed).
+# Model types the route leaves on sdpa (kernels/attention/_route.py ``_FA2_FAILS``): transformers' own FA2
+# path fails for them (glm4v_moe at batch size 1; on 4.57 right padding refused, packed documents mixed).
 KEPT_ON_SDPA = {"glm4v_moe"} | ({"qwen2_moe", "deepseek_v2", "granitemoe"} if V4 else set())
 UNFUSED = {"gemma2"}  # attention softcap: the op has none, the kernel runs it unfused (exact)
 ALL_CASES = {"causal", "right_padded", "left_padded", "packed", "cu_seq_lens", "window"}

@@ -309,7 +309,8 @@ _TABLE = {
         Model(
             "gpt_oss",
             Target("rms_norm", "GptOssRMSNorm.forward"),
-            # 5.x swaps FA2 for a CUDA-only hub kernel: on the NPU it keeps FA2 (kernels/attention/_integration.py).
+            # 5.x swaps FA2 for a CUDA-only hub kernel: on the NPU it keeps FA2
+            # (kernels/attention/_integration.py).
             Target("attention", "GptOssPreTrainedModel._check_and_adjust_attn_implementation", since="5.0"),
             Target("loss", "GptOssForCausalLM.forward"),
         ),

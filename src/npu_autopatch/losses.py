@@ -316,7 +316,12 @@ def linear_cross_entropy(
 def _logprob_stats(chunk, matrix, target, temperature, scratch):
     """(log-prob of ``target``, entropy, log-sum-exp) per row of a chunk, of its fp32 logits / T:
     with ``y`` the logits minus their row maximum and ``e = exp(y)``, ``lse = max + log sum e``
-    and the entropy ``log sum e - sum(e * y) / sum e``."""
+    and the entropy ``log sum e - sum(e * y) / sum e``.
+
+    ``e * y`` is written in place over ``y`` and summed by torch's cascade reduction, as ``e`` is.
+    A dot product (``einsum``) accumulating the 151,936 terms in fp32 had 4-7x stock's entropy error
+    against fp64; this has a tenth of stock's (issue 42, ``tests/test_losses.py``). Its cost: the
+    product is written once over the chunk's fp32 logits, where the dot product only read them."""
     logits = scratch.logits(chunk, matrix)
     scaled = scratch.upcast(logits).div_(temperature)
     rows = torch.arange(target.numel(), device=target.device)
@@ -327,7 +332,7 @@ def _logprob_stats(chunk, matrix, target, temperature, scratch):
     total = exp.sum(dim=-1)
     log_total = total.log()
     lse = top + log_total
-    entropy = log_total - torch.einsum("rv,rv->r", exp, shifted) / total
+    entropy = log_total - shifted.mul_(exp).sum(dim=-1) / total
     return picked - lse, entropy, lse
 
 

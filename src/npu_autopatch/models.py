@@ -11,6 +11,7 @@ the name: the patcher probes every target against the kernel before swapping.
 
 from ._types import Model, Target
 from .integrations.verl import STEP_ASIDE
+from .integrations.verl_logprobs import VERL_LOGPROBS
 
 # types.MappingProxyType without importing types at interpreter start: the table is data, read-only.
 _READ_ONLY = type(type.__dict__)
@@ -347,6 +348,9 @@ _TABLE = {
         # types it covers; it steps aside for the ones we patch (integrations/verl.py). Its module is
         # whichever module of verl defines apply_npu_patches, wherever verl moves it.
         Model("verl_npu_patch", Target(STEP_ASIDE, "apply_npu_patches"), module="verl.*"),
+        # Not a model type: verl's fused log-probs and entropy (use_fused_kernels, its torch backend),
+        # computed by npu_autopatch.losses.linear_logprobs (integrations/verl_logprobs.py).
+        Model("verl_fused_logprobs", Target(VERL_LOGPROBS, "FusedLinearForPPO.forward"), module="verl.*"),
     )
 }
 
@@ -356,6 +360,13 @@ MODELS = _READ_ONLY(_TABLE)
 BUILTIN = tuple(MODELS)
 # The entries that are no model type: a module every model calls (no tiny model, no modeling module).
 INTEGRATIONS = frozenset(
-    {"npu_flash_attention", "flash_attention_utils", "default_attention", "activations", "verl_npu_patch"}
+    {
+        "npu_flash_attention",
+        "flash_attention_utils",
+        "default_attention",
+        "activations",
+        "verl_npu_patch",
+        "verl_fused_logprobs",
+    }
 )
 MODEL_TYPES = tuple(name for name in BUILTIN if name not in INTEGRATIONS)

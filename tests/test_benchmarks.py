@@ -4,6 +4,7 @@ The figures are the scripts' business (README, docs); here each one must start, 
 its measurement once and print the lines that carry its figures.
 """
 
+import functools
 import re
 import subprocess
 import sys
@@ -31,6 +32,7 @@ TABLES = {
     "patch_time.py": r"first model of a process \(import modeling_qwen3\): \d+ ms stock, \d+ ms patched .*",
     "startup.py": r"  NPU_AUTOPATCH=1: +\d+\.\d ms .*",
     "traffic.py": r"  qwen3 +rms_norm +saves +\d+ kernels, +\d+\.\d\d GB, +\d+\.\d\d ms = +\d+\.\d % .*",
+    "verl_logprobs.py": r"bfloat16 at \d+ tokens: ours \d+\.\d\dx verl's peak, \d+\.\d\dx its time",
 }
 
 
@@ -38,8 +40,9 @@ def test_every_benchmark_has_a_quick_run_here():
     assert sorted(path.name for path in BENCHMARKS.glob("*.py")) == sorted(TABLES)
 
 
+@functools.cache
 def quick(script: str) -> str:
-    """The script's output in its quick mode (it must exit 0)."""
+    """The script's output in its quick mode (it must exit 0), once per session."""
     run = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--quick"],
         env=child_env(),
@@ -77,3 +80,13 @@ def test_traffic_counts_fewer_kernels_patched_than_stock():
     assert {"rms_norm", "swiglu", "rope", "attention", "candidate add+rms_norm"} <= saves.keys(), out
     assert any(label.startswith("candidate cross_entropy, per step") for label in saves), out
     assert int(saves["rms_norm"]) > 0 and int(saves["rope"]) > 0, out
+
+
+def test_verl_logprobs_runs_ours_counted_fused_and_prints_every_error():
+    """verl_logprobs.py: verl's forward ran ours (status() counted the call fused) and verl's own with
+    the switch off; the error table has a row for each implementation."""
+    out = quick("verl_logprobs.py")
+    assert "  ran ours bfloat16 512 tokens: " in out and "counted fused/stock [1, 0]" in out, out
+    assert re.search(r"  ran verl bfloat16 512 tokens: .*counted fused/stock \[0, 0\]", out), out
+    for impl in ("stock", "ours", "verl", "linear_logprobs"):
+        assert re.search(rf"^bfloat16 +512  {impl}( +\d\.\d\de-\d\d){{4}}$", out, re.M), (impl, out)

@@ -322,10 +322,8 @@ def main():
     if options.errors_child:
         mode, tokens, vocab, hidden = options.errors_child
         return print(json.dumps(errors(mode, int(tokens), int(vocab), int(hidden))))
-    setting = dict(QUICK if options.quick else FULL)
-    for name in ("modes", "tokens", "impls", "vocab", "hidden", "repeats"):
-        if getattr(options, name) is not None:
-            setting[name] = getattr(options, name)
+    given = {name: value for name, value in vars(options).items() if name in FULL and value is not None}
+    setting = {**(QUICK if options.quick else FULL), **given}
     size = f"vocab {setting['vocab']:,}, hidden {setting['hidden']:,}"
     print(f"verl's log-probs + entropy, forward + backward: {size}")
     print(_load())

@@ -19,8 +19,9 @@ with its shapes: 2-D or 3-D ``hidden_states`` (the packed ``[1, tokens, H]`` of 
 under Ulysses, each rank's slice with the globally rolled ``shift_labels`` verl passes as
 ``input_ids``), a float ``temperature``, ids of any integer dtype (cast to int64, as verl does).
 It returns what verl's returns: fp32 log-probs and the entropy in the hidden states' dtype, shaped
-as the ids. Liger's backend, inputs verl's own code refuses (other ranks, mismatched shapes or
-dtypes) and a non-positive temperature run verl's code, each call counted stock with the reason.
+as the ids. Liger's backend, inputs verl's own code refuses (hidden states neither 2-D nor 3-D, ids
+not of their shape, dtypes that do not multiply) and a temperature that is not a positive number run
+verl's code, each call counted stock with the reason.
 
 The probe checks the code's shape (the method's parameters) and runs verl's forward and ours on a
 tiny batch (3-D and 2-D, temperature 0.7, int32 ids, chunks smaller than the batch): log-probs,

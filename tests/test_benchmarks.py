@@ -32,6 +32,7 @@ TABLES = {
     "patch_time.py": r"first model of a process \(import modeling_qwen3\): \d+ ms stock, \d+ ms patched .*",
     "startup.py": r"  NPU_AUTOPATCH=1: +\d+\.\d ms .*",
     "traffic.py": r"  qwen3 +rms_norm +saves +\d+ kernels, +\d+\.\d\d GB, +\d+\.\d\d ms = +\d+\.\d % .*",
+    "verl_logprobs.py": r"bfloat16 at \d+ tokens: ours \d+\.\d\dx verl's peak, \d+\.\d\dx its time",
 }
 
 
@@ -99,3 +100,13 @@ def test_the_performance_docs_layer_table_holds_the_scripts_qwen3_row():
     assert len(rows) == 1, out
     doc = (ROOT / "docs" / "performance.md").read_text().splitlines()
     assert rows[0] in doc, f"docs/performance.md's qwen3 row is not the script's:\n{rows[0]}"
+
+
+def test_verl_logprobs_runs_ours_counted_fused_and_prints_every_error():
+    """verl_logprobs.py: verl's forward ran ours (status() counted the call fused) and verl's own with
+    the switch off; the error table has a row for each implementation."""
+    out = quick("verl_logprobs.py")
+    assert "  ran ours bfloat16 512 tokens: " in out and "counted fused/stock [1, 0]" in out, out
+    assert re.search(r"  ran verl bfloat16 512 tokens: .*counted fused/stock \[0, 0\]", out), out
+    for impl in ("stock", "ours", "verl", "linear_logprobs"):
+        assert re.search(rf"^bfloat16 +512  {impl}( +\d\.\d\de-\d\d){{4}}$", out, re.M), (impl, out)

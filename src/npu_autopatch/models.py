@@ -10,7 +10,7 @@ the name: the patcher probes every target against the kernel before swapping.
 """
 
 from ._types import Model, Target
-from .integrations import llamafactory, swift, verl
+from .integrations import llamafactory, swift, verl, verl_logprobs
 
 # types.MappingProxyType without importing types at interpreter start: the table is data, read-only.
 _READ_ONLY = type(type.__dict__)
@@ -363,6 +363,13 @@ _TABLE = {
             Target(llamafactory.STEP_ASIDE, "apply_kernels", "apply_kernel"),
             module="llamafactory.*kernels.interface",
         ),
+        # Not a model type: verl's fused log-probs and entropy (use_fused_kernels, its torch backend),
+        # computed by npu_autopatch.losses.linear_logprobs (integrations/verl_logprobs.py).
+        Model(
+            "verl_fused_logprobs",
+            Target(verl_logprobs.VERL_LOGPROBS, "FusedLinearForPPO.forward"),
+            module="verl.*",
+        ),
     )
 }
 
@@ -380,6 +387,7 @@ INTEGRATIONS = frozenset(
         "verl_npu_patch",
         "swift_npu_patch",
         "llamafactory_kernels",
+        "verl_fused_logprobs",
     }
 )
 MODEL_TYPES = tuple(name for name in BUILTIN if name not in INTEGRATIONS)

@@ -1,16 +1,16 @@
 """Per-call cost of a patched target vs calling the fused op directly (goal: no extra frame).
 
-The replacements are built for Qwen3's RMSNorm, MLP and rotary function as the patcher
-builds them, on a stub torch_npu whose ops return a ready tensor at once, so that what is
-timed is our glue alone: the replacement's frame, its attribute loads and dtype checks, and
-for the rotary function the per-call shape check that sends a shape the kernel cannot take to
-the stock code. The direct call does the same tensor work inline (the concatenation for
-npu_swiglu; for npu_rotary_mul the layout: q/k transposed to [B, S, N, D] and cos/sin to
-[1, S, 1, D], or flattened to [1, B*S, N, D] with a per-sample cos), so the difference is the
-check and the glue. Python frames are counted with sys.setprofile. Last, what counting each call
-costs (issue 26: status().calls): the ``count_fused()`` / ``count_stock(reason)`` a replacement
-calls, each against an empty function call, on a ``Calls`` as the patcher hands it (with its
-mostly-stock report armed, the stock path's worst case). Run with the venv's python:
+The replacements are built for Qwen3's RMSNorm, MLP and rotary function as the patcher builds them,
+on a stub torch_npu whose ops return a ready tensor at once, so that what is timed is our glue
+alone: the replacement's frame, its attribute loads and dtype checks, and for the rotary function
+the per-call shape check that sends a shape the kernel cannot take to the stock code. The direct
+call does the same tensor work inline (gate and up written into the halves of one buffer for
+npu_swiglu; for npu_rotary_mul the layout: q/k transposed to [B, S, N, D] and cos/sin to [1, S, 1,
+D], or flattened to [1, B*S, N, D] with a per-sample cos), so the difference is the check and the
+glue. Python frames are counted with sys.setprofile. Last, what counting each call costs (issue 26:
+status().calls): the ``count_fused()`` / ``count_stock(reason)`` a replacement calls, each against
+an empty function call, on a ``Calls`` as the patcher hands it (with its mostly-stock report armed,
+the stock path's worst case). Run with the venv's python:
     .venv/bin/python benchmarks/call_overhead.py [--quick]
 ``--quick``: a hundredth of the calls, 3 runs (tests/test_benchmarks.py: the script keeps working).
 """
@@ -26,6 +26,7 @@ from transformers.models.qwen3 import modeling_qwen3 as qwen3
 from npu_autopatch import Calls
 from npu_autopatch.kernels import KERNELS, choose_variant
 from npu_autopatch.kernels._calls import counters
+from npu_autopatch.kernels.mlp import _GateUp
 
 
 def stub_npu(x):
@@ -33,7 +34,7 @@ def stub_npu(x):
     normed = (x.clone(), torch.ones(1))
     return types.SimpleNamespace(
         npu_rms_norm=lambda input, gamma, epsilon=1e-6: normed,
-        npu_swiglu=lambda input, dim=-1: input[..., : input.shape[-1] // 2],
+        npu_swiglu=lambda input, dim=-1: input.narrow(dim, 0, input.shape[dim] // 2),
         npu_rotary_mul=lambda input, r1, r2, rotary_mode="half": input,
     )
 
@@ -84,7 +85,6 @@ def main():
     cos_b, sin_b = torch.randn(2, 8, 16), torch.randn(2, 8, 16)  # position_ids given: per sample
     npu = stub_npu(x)
     norm, mlp = qwen3.Qwen3RMSNorm(64), qwen3.Qwen3MLP(config)
-    cat = torch.cat
     norm_forward = build("rms_norm", qwen3.Qwen3RMSNorm.forward, npu)
     mlp_forward = build("swiglu", qwen3.Qwen3MLP.forward, npu)
     rotary = build("rope", qwen3.apply_rotary_pos_emb, npu)
@@ -97,7 +97,11 @@ def main():
         ),
         "swiglu (Qwen3MLP.forward)": (
             lambda: mlp_forward(mlp, x),
-            lambda: mlp.down_proj(npu.npu_swiglu(cat((mlp.gate_proj(x), mlp.up_proj(x)), dim=-1), dim=-1)),
+            lambda: mlp.down_proj(
+                npu.npu_swiglu(
+                    _GateUp.apply(x, mlp.gate_proj.weight, None, mlp.up_proj.weight, None), dim=0
+                ).view(*x.shape[:-1], -1)
+            ),
             lambda: qwen3.Qwen3MLP.forward(mlp, x),
         ),
         "rope, batch-1 cos (layout A)": (

@@ -95,7 +95,16 @@ def announce(framework, where, ours, kept):
     )
 
 
-def refused(stock, why, framework):
-    """The probe's answer for code of another shape: where it is, why, and that it runs as without us."""
-    where = f"{stock.__module__}.{getattr(stock, '__qualname__', stock)}"
-    return f"{where}: {why}; {framework}'s patch runs as without us"
+def shape_probe(shape, framework):
+    """A step-aside variant's probe: None when the other library's function has the shape the
+    replacement relies on (``shape(stock)`` answers None) and the replacement wraps it, else why not.
+    Code of another shape is refused with where it is and why, and runs as without us."""
+
+    def probe(stock, candidate):
+        why = shape(stock)
+        if why is not None:
+            where = f"{stock.__module__}.{getattr(stock, '__qualname__', stock)}"
+            return f"{where}: {why}; {framework}'s patch runs as without us"
+        return None if getattr(candidate, "__wrapped__", None) is stock else "the step-aside does not wrap it"
+
+    return probe

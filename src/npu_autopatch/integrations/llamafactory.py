@@ -27,7 +27,7 @@ LLaMA-Factory's kernels run as without us. ``enable(step_aside=False)`` /
 """
 
 from .._types import Kernel, Variant
-from ._step_aside import FUNCTION, OURS, announce, refused, states
+from ._step_aside import FUNCTION, OURS, announce, shape_probe, states
 
 FRAMEWORK = "LLaMA-Factory"
 _VARKEYWORDS = 0x08  # inspect.CO_VARKEYWORDS, without importing inspect at interpreter start
@@ -42,14 +42,6 @@ def _shape(stock):
     if "model" not in named and not code.co_flags & _VARKEYWORDS:
         return "it takes no model= argument"
     return None
-
-
-def probe(stock, candidate):
-    """None when LLaMA-Factory's function has the shape the replacement relies on, else why not."""
-    why = _shape(stock)
-    if why is not None:
-        return refused(stock, why, FRAMEWORK)
-    return None if getattr(candidate, "__wrapped__", None) is stock else "the step-aside does not wrap it"
 
 
 def _model_of(stock, args, kwargs):
@@ -89,5 +81,9 @@ def build(stock, npu, on_error):
 
 
 STEP_ASIDE = Kernel(
-    "step_aside", (), [Variant("llamafactory_kernels", build, probe)], switch="step_aside", switched_on=True
+    "step_aside",
+    (),
+    [Variant("llamafactory_kernels", build, shape_probe(_shape, FRAMEWORK))],
+    switch="step_aside",
+    switched_on=True,
 )

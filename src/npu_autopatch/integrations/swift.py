@@ -30,8 +30,8 @@ from ._step_aside import (
     announce,
     modules_ours,
     reads_global,
-    refused,
     required_arguments,
+    shape_probe,
     with_globals,
 )
 
@@ -50,14 +50,6 @@ def _shape(stock):
     if not callable(stock.__globals__.get(MAP)):
         return f"its module's {MAP} is not callable"
     return None
-
-
-def probe(stock, candidate):
-    """None when ms-swift's function has the shape the replacement relies on, else why not."""
-    why = _shape(stock)
-    if why is not None:
-        return refused(stock, why, FRAMEWORK)
-    return None if getattr(candidate, "__wrapped__", None) is stock else "the step-aside does not wrap it"
 
 
 def build(stock, npu, on_error):
@@ -96,5 +88,9 @@ def build(stock, npu, on_error):
 
 
 STEP_ASIDE = Kernel(
-    "step_aside", (), [Variant("swift_patch_map", build, probe)], switch="step_aside", switched_on=True
+    "step_aside",
+    (),
+    [Variant("swift_patch_map", build, shape_probe(_shape, FRAMEWORK))],
+    switch="step_aside",
+    switched_on=True,
 )

@@ -33,8 +33,8 @@ from ._step_aside import (
     OURS,
     announce,
     reads_global,
-    refused,
     required_arguments,
+    shape_probe,
     states,
     with_globals,
 )
@@ -54,14 +54,6 @@ def _shape(stock):
     if not isinstance(table, dict) or not all(isinstance(k, str) and callable(v) for k, v in table.items()):
         return f"its module's {TABLE} is not a dict of model type -> patch function"
     return None
-
-
-def probe(stock, candidate):
-    """None when verl's function has the shape the replacement relies on, else why not."""
-    why = _shape(stock)
-    if why is not None:
-        return refused(stock, why, "verl")
-    return None if getattr(candidate, "__wrapped__", None) is stock else "the step-aside does not wrap it"
 
 
 def _ours(table):
@@ -99,5 +91,9 @@ def build(stock, npu, on_error):
 
 
 STEP_ASIDE = Kernel(
-    "step_aside", (), [Variant("verl_npu_patches", build, probe)], switch="step_aside", switched_on=True
+    "step_aside",
+    (),
+    [Variant("verl_npu_patches", build, shape_probe(_shape, "verl"))],
+    switch="step_aside",
+    switched_on=True,
 )

@@ -214,6 +214,32 @@ def test_a_forward_set_on_instances_over_ours_is_overridden_when_the_model_first
     assert [(f.subject, len(f.instances)) for f in flags] == [("Qwen3RMSNorm", len(norms))], flags
 
 
+def test_accelerates_mixed_precision_wrapper_around_ours_is_not_an_override(npu_stand_in):
+    """accelerate's ``prepare`` under mixed precision sets, on the instance, a bound method around the
+    class's forward (ours): ``convert_outputs_to_fp32(autocast(forward.__func__))``, accelerator.py's own
+    lines. Our kernel still runs under it, so the model stays applied and report(model) flags nothing
+    (HF Trainer with bf16=True read ``overridden`` when the wrapped forward was the loss kernel's)."""
+    import types
+
+    import torch
+    from accelerate.utils.operations import convert_outputs_to_fp32
+
+    from npu_autopatch.testing import parity, tiny
+
+    npu_autopatch.enable(models=["qwen3"])
+    model = tiny.tiny_model("qwen3")
+    mlp = model.model.layers[0].mlp
+    mlp.forward = types.MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(mlp.forward.__func__), mlp)
+    mlp.forward = types.MethodType(convert_outputs_to_fp32(mlp.forward.__func__), mlp)
+    ids, labels, inputs = parity.model_batch(model, 1)
+    parity.forward_backward(model, ids, labels, **inputs)
+    record = npu_autopatch.status()["qwen3"]
+    assert record.state == "applied", record.reason
+    mlp_calls = record.calls["transformers.models.qwen3.modeling_qwen3:Qwen3MLP.forward"]
+    assert mlp_calls["fused"] > 0, record.calls
+    assert not npu_autopatch.report(model).flags  # report(model) reads it as ours too
+
+
 def test_every_target_replaced_after_us_is_named_not_only_the_first(npu_stand_in, monkeypatch):
     npu_autopatch.enable(models=["qwen3"])
     monkeypatch.setattr(modeling_qwen3, "Qwen3RMSNorm", LigerLikeRMSNorm)

@@ -63,11 +63,14 @@ class Flag:
 
 
 class Ours:
-    """Our kernels' slots in the ledger, read once under the lock: what counts as ours."""
+    """Our kernels' slots in the ledger, read once under the lock (or given by a caller that holds it):
+    what counts as ours."""
 
-    def __init__(self):
-        with locked:
-            self.slots = [slot for slot in STATE.slots.values() if slot.kernel is not None]
+    def __init__(self, slots=None):
+        if slots is None:
+            with locked:
+                slots = list(STATE.slots.values())
+        self.slots = [slot for slot in slots if slot.kernel is not None]
         self.kernels = {id(slot.replacement): slot.kernel for slot in self.slots}
 
 
@@ -97,8 +100,9 @@ def code_from(code) -> str:
 def origin_of(obj, ours) -> tuple[str, str, str | None]:
     """(ours/stock/foreign, the module defining the code, our kernel name or None).
 
-    A torch or transformers decorator (``torch.no_grad()``, ``can_return_tuple``) is looked
-    through: the code it wraps decides.
+    A torch, transformers or accelerate decorator (``torch.no_grad()``, ``can_return_tuple``,
+    accelerate's mixed-precision ``convert_outputs_to_fp32`` around ``torch.autocast``, which its
+    ``prepare`` sets on the model's instance) is looked through: the code it wraps decides.
     """
     function = function_of(obj)
     for _ in range(8):
@@ -108,7 +112,8 @@ def origin_of(obj, ours) -> tuple[str, str, str | None]:
         wrapped = getattr(function, "__wrapped__", None)
         if module.startswith("npu_autopatch.") and wrapped is not None:
             return OURS, module, None  # a replacement disable() took out of its class, still referenced
-        if wrapped is None or not (module == "torch" or module.startswith(("torch.", "transformers."))):
+        looked_through = module == "torch" or module.startswith(("torch.", "transformers.", "accelerate."))
+        if wrapped is None or not looked_through:
             break
         function = function_of(wrapped)
     if module == "torch" or module.startswith("torch."):

@@ -25,7 +25,7 @@ Torch is imported by the caller (patching has happened); never at interpreter st
 import sys
 import weakref
 
-from . import _log, _resolve
+from . import _log
 from ._state import STATE, locked
 
 _SEEN = weakref.WeakSet()  # modules already recorded, in the enable() of _GENERATION
@@ -77,6 +77,8 @@ def _first_run(module, args):
 def record(modules):
     """Note on our slots the other libraries' forwards set on these modules' instances: (whether any
     was new, whether any module holds one of our kernels)."""
+    from ._classify import Ours  # before the lock: its first import reads the kernels' declarations
+
     with locked:
         slots = [
             slot
@@ -88,7 +90,7 @@ def record(modules):
         ]
         if not slots:
             return False, False
-        ours = {id(slot.replacement) for slot in STATE.slots.values()}
+        ours = Ours(list(STATE.slots.values()))
         new = held = False
         for module in modules:
             holding = [slot for slot in slots if isinstance(module, slot.owner)]
@@ -105,16 +107,12 @@ def record(modules):
 
 def _foreign(module, ours):
     """The name of the other library's function an instance's own ``forward`` runs, or None when it
-    runs ours (an accelerate hook around our kernel) or the model's own code (captured before)."""
-    from ._classify import _captured, defining_module, function_of
+    runs ours (through a wrapper: accelerate's hooks and mixed precision) or the model's own code
+    (captured before): _classify.origin_of decides, as report(model) does."""
+    from ._classify import FOREIGN, _captured, defining_module, function_of, origin_of
 
-    function = function_of(_captured(module))
-    if id(function) in ours or getattr(function, "__module__", "").startswith("npu_autopatch."):
-        return None
-    if getattr(function, "__wrapped__", None) is not None and defining_module(function).startswith(
-        "npu_autopatch."
-    ):
-        return None
-    if hasattr(function, "__code__") and _resolve.is_own(function):
+    inner = _captured(module)
+    function = function_of(inner)
+    if origin_of(inner, ours)[0] != FOREIGN or defining_module(function).startswith("npu_autopatch."):
         return None
     return f"{defining_module(function)}.{getattr(function, '__qualname__', type(function).__qualname__)}"
